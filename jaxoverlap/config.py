@@ -1,0 +1,65 @@
+"""`Config`: the knobs of one jaxoverlap call.
+
+A `Config` is a primitive parameter, so it must be hashable and immutable: two calls with equal
+configs share a jit cache entry, and nothing outside it (no environment variable, no global) may
+change what a call computes or how it communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Backend = Literal["auto", "xla", "fused"]
+_BACKENDS = ("auto", "xla", "fused")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """How a jaxoverlap op runs. Every field has a default that is right for most users.
+
+    Attributes:
+      backend: ``"auto"`` runs the fused GPU kernel where it is supported and measured to be
+        faster, else the reference lax composition (and logs once why). ``"fused"`` insists on
+        the fused kernel and raises, naming the reason, where it cannot run. ``"xla"`` always
+        runs the reference composition (XLA's own GEMM and NCCL collective).
+      comm_sms: SMs given to the communication partition of the GPU (the GEMM gets the rest).
+        ``None`` picks the measured default for the shape.
+      chunks: sub-chunks each rank's row block is split into, to shorten pipeline fill and
+        drain. ``None`` picks the measured default.
+      timeout_s: bound on every cross-GPU wait. A peer that does not signal within this time
+        makes the op fail with an error naming the op, rank, peer and chunk, instead of hanging.
+      deterministic: add partial sums in a fixed order, so equal inputs give equal bits on every
+        run. ``False`` allows arrival-order reductions where the kernel offers them.
+    """
+
+    backend: Backend = "auto"
+    comm_sms: int | None = None
+    chunks: int | None = None
+    timeout_s: float = 5.0
+    deterministic: bool = True
+
+    def __post_init__(self):
+        if self.backend not in _BACKENDS:
+            raise ValueError(
+                f"jaxoverlap.Config: backend={self.backend!r} is not one of {_BACKENDS}."
+            )
+        if self.comm_sms is not None and (not isinstance(self.comm_sms, int) or self.comm_sms < 1):
+            raise ValueError(
+                f"jaxoverlap.Config: comm_sms={self.comm_sms!r} must be a positive int or None."
+            )
+        if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ValueError(
+                f"jaxoverlap.Config: chunks={self.chunks!r} must be a positive int or None."
+            )
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(
+                f"jaxoverlap.Config: timeout_s={self.timeout_s!r} must be a positive number."
+            )
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(
+                f"jaxoverlap.Config: deterministic={self.deterministic!r} must be a bool."
+            )
+
+
+DEFAULT = Config()
