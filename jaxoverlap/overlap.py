@@ -1,0 +1,101 @@
+"""`overlap`: give unchanged shard_map code the jaxoverlap ops. `explain`: say what it did.
+
+``jaxoverlap.overlap(fn)`` traces ``fn`` to a jaxpr, replaces every matmul/collective pair that a
+jaxoverlap op computes exactly (see `jaxoverlap.rewrite.patterns` for the rules), and evaluates
+the rewritten jaxpr under whatever transformation is active. The result is an ordinary function:
+``jax.jit``, ``jax.grad`` and ``jax.vmap`` compose with it from outside, and ``fn`` may itself use
+them (and ``lax.scan``, ``jax.checkpoint``, nested calls) around or inside ``jax.shard_map``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+from jax._src import core
+
+from jaxoverlap.config import Config
+from jaxoverlap.rewrite import Candidate, rewrite_closed_jaxpr
+
+__all__ = ["Candidate", "explain", "overlap"]
+
+
+def overlap(fn=None, *, config: Config | None = None):
+    """Return a function that computes ``fn`` with the jaxoverlap ops substituted.
+
+    Replaced, inside ``jax.shard_map`` (at any depth; or when the returned function is itself
+    called inside a shard_map body):
+
+    * ``lax.psum_scatter(x @ w, axes, scatter_dimension=d, tiled=True)``
+      -> ``matmul_reduce_scatter(x, w, axes, scatter_dimension=d)``
+    * ``lax.all_gather(x, axes, axis=d, tiled=True) @ w``
+      -> ``all_gather_matmul(x, w, axes, gather_dimension=d)``
+    * ``lax.psum(x @ w, axes)`` -> ``matmul_all_reduce(x, w, axes)``
+
+    where ``x @ w`` is any ``jnp.matmul``/``jnp.dot``/``@``/``einsum``/``lax.dot_general`` that
+    contracts the last dimension of ``x [..., K]`` with the first of a 2-D ``w [K, N]``, in a
+    float dtype, at default precision, with no ``preferred_element_type`` other than the operand
+    dtype, and whose intermediate result is used by nothing else. Anything else is left exactly as
+    written; `explain` lists every candidate with the reason it was or was not replaced.
+
+    Args:
+      fn: the function to transform. Its arguments are pytrees of arrays (close over static
+        values with ``functools.partial``).
+      config: the `jaxoverlap.Config` given to every substituted op (``None``: defaults).
+
+    Returns:
+      A function with ``fn``'s signature and results. Usable as ``@overlap`` or
+      ``@overlap(config=...)``.
+    """
+    if fn is None:
+        return functools.partial(overlap, config=config)
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"jaxoverlap.overlap: config must be a jaxoverlap.Config, got {config!r}.")
+    if not callable(fn):
+        raise TypeError(f"jaxoverlap.overlap: expected a function, got {fn!r}.")
+
+    @functools.wraps(fn)
+    def overlapped(*args, **kwargs):
+        closed, out_tree, flat_args = _trace(fn, args, kwargs)
+        closed, _ = rewrite_closed_jaxpr(closed, config)
+        out = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat_args)
+        return jax.tree.unflatten(out_tree, out)
+
+    overlapped._jaxoverlap_wrapped = (fn, config)
+    return overlapped
+
+
+def explain(fn, *args, **kwargs) -> list[Candidate]:
+    """Print and return one `Candidate` per matmul/collective pair `overlap` finds in ``fn``.
+
+    Traces ``fn(*args, **kwargs)`` (nothing is computed; arguments may be arrays or
+    ``jax.ShapeDtypeStruct``) and reports, for each pair, the op that would replace it and whether
+    it is replaced, or why not. ``fn`` may be a function returned by `overlap`; its config is used.
+    Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
+    """
+    fn, config = getattr(fn, "_jaxoverlap_wrapped", (fn, None))
+    closed, _, _ = _trace(fn, args, kwargs)
+    _, candidates = rewrite_closed_jaxpr(closed, config)
+    name = getattr(fn, "__name__", repr(fn))
+    lines = [str(c) for c in candidates] or [
+        "no candidates: no matmul feeds a psum_scatter or psum, and no all_gather feeds a matmul, "
+        "inside jax.shard_map"
+    ]
+    rewritten = sum(c.rewritten for c in candidates)
+    print(f"jaxoverlap.explain({name}): {rewritten} of {len(candidates)} candidates rewritten")
+    print("\n".join(lines), file=sys.stdout)
+    return candidates
+
+
+def _trace(fn, args, kwargs):
+    """``fn``'s closed jaxpr, its output tree, and the flat arguments in jaxpr order."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    flat_args = jax.tree.leaves((args, kwargs))
+    if len(flat_args) != len(closed.jaxpr.invars):
+        raise TypeError(
+            f"jaxoverlap.overlap: {getattr(fn, '__name__', fn)} takes {len(flat_args)} array "
+            f"leaves but traced to {len(closed.jaxpr.invars)} inputs; pass arrays only (bind "
+            "static arguments with functools.partial)."
+        )
+    return closed, jax.tree.structure(out_shape), flat_args

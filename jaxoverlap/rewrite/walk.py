@@ -1,0 +1,192 @@
+"""Visit every jaxpr nested in a traced function and splice the jaxoverlap ops in.
+
+Only the bodies of higher-order primitives whose semantics are "run this jaxpr" are visited
+(jit, closed calls, scan, while, cond, remat, shard_map); the bodies of ``custom_jvp`` and
+``custom_vjp`` functions are visited for `explain` but never changed (their derivative rules would
+keep differentiating the original), and other primitives that hold jaxprs (e.g. ``pallas_call``)
+are left alone.
+
+Each replacement is traced by calling the op's public function on the candidate's operand types,
+inside the same shard_map context (bound axes, manual abstract mesh, ``check_vma``) as the
+candidate, so the op validates its arguments and computes its own varying-axes types exactly as if
+the user had called it there. The result type must equal the replaced value's type, or the
+candidate is skipped.
+
+This module uses JAX internals (``jax._src``): jaxpr surgery has no public API. They are pinned by
+the package's ``jax>=0.11.2,<0.13`` requirement and exercised by tests/test_overlap.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from jax._src import api_util, core
+from jax._src import config as jax_config
+from jax._src import linear_util as lu
+from jax._src import shard_map as shard_map_lib
+from jax._src.interpreters import partial_eval as pe
+from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
+
+from jaxoverlap.rewrite.patterns import Candidate, Match, find_matches
+
+# Primitives whose jaxpr-valued parameters are run as they are: safe to rewrite inside.
+_TRANSPARENT = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "checkpoint", "remat",
+     "shard_map"}
+)  # fmt: skip
+# Visited for reporting only; the reason is given to every candidate inside.
+_OPAQUE = {
+    "custom_jvp_call": "inside a jax.custom_jvp function (its JVP rule would still use the "
+    "original, so the body is left as written)",
+    "custom_vjp_call": "inside a jax.custom_vjp function (its fwd/bwd rules would still use the "
+    "original, so the body is left as written)",
+}
+
+
+class _Rejected(Exception):
+    """The op refused a candidate, or its result type differs from the replaced value's."""
+
+
+@dataclasses.dataclass
+class _State:
+    config: object
+    candidates: list[Candidate]
+    scope: tuple[str, ...] = ()
+    blocked: str | None = None
+
+    def enter(self, label: str, blocked: str | None) -> _State:
+        return dataclasses.replace(
+            self, scope=(*self.scope, label), blocked=self.blocked or blocked
+        )
+
+
+def rewrite_closed_jaxpr(closed: core.ClosedJaxpr, config=None):
+    """``closed`` with the jaxoverlap ops spliced in, and the list of `Candidate` found.
+
+    Must run in the context the jaxpr was traced in (inside the same shard_map trace if it was
+    traced inside one), since ops at the top level are traced in the current context.
+    """
+    state = _State(config=config, candidates=[])
+    jaxpr = _rewrite_jaxpr(closed.jaxpr, state)
+    if jaxpr is not closed.jaxpr:
+        closed = core.ClosedJaxpr(jaxpr, closed.consts)
+    return closed, state.candidates
+
+
+def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
+    eqns = [_rewrite_eqn(e, state) for e in jaxpr.eqns]
+    if any(a is not b for a, b in zip(eqns, jaxpr.eqns, strict=True)):
+        jaxpr = jaxpr.replace(eqns=eqns)
+
+    splices: dict[int, list[core.JaxprEqn]] = {}
+    dropped: set[int] = set()
+    for m in find_matches(jaxpr, frozenset(get_abstract_mesh().manual_axes)):
+        if m.reason is None and state.blocked:
+            m.reason = state.blocked
+        if m.reason is None:
+            try:
+                splices[m.last] = _op_eqns(m, state.config, jaxpr.eqns[m.last])
+                dropped.add(m.first)
+            except _Rejected as e:
+                m.reason = str(e)
+        state.candidates.append(
+            Candidate(
+                op=m.op, rewritten=m.reason is None, reason=m.reason or "", detail=m.detail,
+                location=m.location, scope=" > ".join(state.scope) or "top level",
+            )
+        )  # fmt: skip
+    if not splices:
+        return jaxpr
+    new_eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in splices:
+            new_eqns.extend(splices[i])
+        elif i not in dropped:
+            new_eqns.append(eqn)
+    return jaxpr.replace(eqns=new_eqns)
+
+
+def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
+    name = eqn.primitive.name
+    if name not in _TRANSPARENT and name not in _OPAQUE:
+        return eqn
+    label = f"jit({eqn.params['name']})" if name in ("jit", "pjit") else name
+    inner = state.enter(label, _OPAQUE.get(name))
+    context = _shard_map_context(eqn.params) if name == "shard_map" else contextlib.nullcontext()
+    with context:
+        params = {k: _rewrite_param(v, inner) for k, v in eqn.params.items()}
+    if all(params[k] is eqn.params[k] for k in params):
+        return eqn
+    return eqn.replace(params=params)
+
+
+def _rewrite_param(value, state: _State):
+    if isinstance(value, core.Jaxpr):
+        return _rewrite_jaxpr(value, state)
+    if isinstance(value, core.ClosedJaxpr):
+        jaxpr = _rewrite_jaxpr(value.jaxpr, state)
+        return value if jaxpr is value.jaxpr else core.ClosedJaxpr(jaxpr, value.consts)
+    if isinstance(value, (tuple, list)) and any(
+        isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value
+    ):
+        new = [_rewrite_param(v, state) for v in value]
+        if all(a is b for a, b in zip(new, value, strict=True)):
+            return value
+        return type(value)(new)
+    return value
+
+
+@contextlib.contextmanager
+def _shard_map_context(params):
+    """The context shard_map traces its body in: bound axes, manual mesh, ``check_vma``."""
+    mesh, manual = params["mesh"], params["newly_manual_axes"]
+    with (
+        shard_map_lib._extend_axis_env(mesh, manual),
+        use_abstract_mesh(shard_map_lib._as_manual_mesh(mesh, manual)),
+        jax_config._check_vma(params["check_vma"]),
+    ):
+        yield
+
+
+def _op_fn(op: str):
+    from jaxoverlap import ops  # deferred: jaxoverlap/__init__ imports this package
+
+    return getattr(ops, op)
+
+
+def _op_eqns(m: Match, config, anchor: core.JaxprEqn) -> list[core.JaxprEqn]:
+    """The equations computing ``m.op(m.x, m.w)`` into ``m.out``, traced in the current context."""
+    fn = _op_fn(m.op)
+
+    def call(x, w):
+        return [fn(x, w, config=config, **m.kwargs)]
+
+    in_avals = [m.x.aval, m.w.aval]
+    dbg = api_util.debug_info("jaxoverlap.overlap", call, in_avals, {})
+    try:
+        tiny, out_avals, consts = pe.trace_to_jaxpr_dynamic(
+            lu.wrap_init(call, debug_info=dbg), in_avals
+        )
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise _Rejected(f"jaxoverlap.{m.op} does not accept it: {_first_line(e)}") from None
+    (new,), old = out_avals, m.out.aval
+    if (new.shape, new.dtype, new.mat) != (old.shape, old.dtype, old.mat):
+        raise _Rejected(
+            f"jaxoverlap.{m.op} would return {new.str_short()} where the original has "
+            f"{old.str_short()} (a different varying-axes type); left as written"
+        )
+    if consts or tiny.constvars or any(e.effects for e in tiny.eqns):
+        raise _Rejected(f"jaxoverlap.{m.op} traced to equations with constants or effects")
+    env = dict(zip(tiny.invars, (m.x, m.w), strict=True))
+    env[tiny.outvars[0]] = m.out
+    sub = lambda vs: [env.get(v, v) if isinstance(v, core.Var) else v for v in vs]  # noqa: E731
+    return [
+        e.replace(invars=sub(e.invars), outvars=sub(e.outvars), source_info=anchor.source_info)
+        for e in tiny.eqns
+    ]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
