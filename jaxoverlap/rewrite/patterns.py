@@ -77,7 +77,7 @@ def _where(eqn) -> str:
 
 
 def matmul_problem(eqn) -> str | None:
-    """Why this ``dot_general`` is not ``jnp.matmul(x [..., K], w [K, N])`` as the ops compute it."""
+    """Why this ``dot_general`` is not ``jnp.matmul(x [..., K], w [K, N])`` as the ops compute."""
     x, w = (v.aval for v in eqn.invars)
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     if lb or rb:
