@@ -1,0 +1,190 @@
+"""Shared pieces of the benchmark scripts: platform setup, timing, tables, JSON and plots.
+
+Nothing here initialises a JAX backend at import time: `setup_platform` must run first, and the
+windowed-XLA child process must be started before the parent touches a GPU (JAX preallocates
+most of the GPU memory, so two live processes would starve each other).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+TIMING = (
+    "python loop: per sample, N back-to-back calls of the jitted function, then "
+    "jax.block_until_ready on the last output, timed with time.perf_counter; methods of one "
+    "shape are timed round-robin (sample 1 of every method, then sample 2, ...); ms = median "
+    "over samples of (sample time / N)"
+)
+
+
+def setup_platform(cpu_smoke: bool, cpu_devices: int = 2):
+    """Pick the platform before any JAX backend exists (fake CPU devices in smoke mode)."""
+    import jax
+
+    if cpu_smoke:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    return jax
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    import jax
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def fresh_seed(seed: int | None) -> int:
+    return secrets.randbits(31) if seed is None else seed
+
+
+def machine_name() -> str:
+    """GPU name and driver from nvidia-smi, else the JAX device kind."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+            if lines:
+                counts = {ln: lines.count(ln) for ln in lines}
+                return "; ".join(f"{n}x {ln}" for ln, n in counts.items())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import jax
+
+    devs = jax.devices()
+    return f"{len(devs)}x {devs[0].device_kind} ({devs[0].platform})"
+
+
+def run_info(cpu_smoke: bool) -> dict:
+    import jax
+    import jaxlib
+
+    return {
+        "machine": machine_name() + (" [cpu-smoke: fake CPU devices]" if cpu_smoke else ""),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "git_commit": _git_commit(),
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _time_once(fn, args, iters: int, sync_each: bool = False) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn(*args)
+        if sync_each:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def bench(fns: dict, *, samples: int, target_ms: float, min_iters: int = 5, max_iters: int = 2000):
+    """Times each `name -> (fn, args)` round-robin; returns name -> {ms, iters, samples_ms}.
+
+    Iterations per sample are chosen per function so that one sample lasts about `target_ms`.
+    On CPU every call is waited for: XLA:CPU deadlocks in its collectives when hundreds of
+    calls are queued on fake devices (seen with jaxlib 0.11.2 on 2 cores).
+    """
+    import jax
+
+    sync_each = jax.devices()[0].platform == "cpu"
+    max_iters = min(max_iters, 20) if sync_each else max_iters
+
+    iters = {}
+    for name, (fn, args) in fns.items():
+        jax.block_until_ready(fn(*args))  # warm-up (compiled already, but caches, allocator)
+        jax.block_until_ready(fn(*args))
+        est = _time_once(fn, args, 3, sync_each)
+        iters[name] = int(min(max_iters, max(min_iters, math.ceil(target_ms / max(est, 1e-3)))))
+    times = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, (fn, args) in fns.items():
+            times[name].append(_time_once(fn, args, iters[name], sync_each))
+    return {
+        name: {"ms": statistics.median(ts), "iters": iters[name], "samples_ms": ts}
+        for name, ts in times.items()
+    }
+
+
+def import_jaxoverlap():
+    """The jaxoverlap package, from this checkout when it is not installed."""
+    try:
+        import jaxoverlap
+    except ModuleNotFoundError:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import jaxoverlap
+    return jaxoverlap
+
+
+def custom_call_targets(hlo_text: str) -> list[str]:
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+def geomean(xs) -> float | None:
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join([line, "-" * len(line), *body])
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None (it is not a jaxoverlap dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the PNG plot (JSON and table are complete)")
+        return None
+    return plt

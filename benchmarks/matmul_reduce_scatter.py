@@ -1,0 +1,476 @@
+"""Benchmark `jaxoverlap.matmul_reduce_scatter` against XLA, following BENCHMARKS.md.
+
+Per shape (M x K_local x N, tp ranks, output scattered over M), in one run on fresh random bf16:
+  gemm_only     jnp.matmul of the local shards (the bound: communication fully hidden)
+  xla           jnp.matmul then lax.psum_scatter in shard_map (no overlap)
+  xla_windowed  the GEMM under jit shardings with XLA's windowed-einsum flags (a child process:
+                XLA reads its flags at start-up)
+  rs_only       lax.psum_scatter alone (NCCL)
+  jaxoverlap    matmul_reduce_scatter with backend="fused" (null where the fused path cannot run);
+                what backend="auto" picks is timed and reported beside it.
+Every reduce-scatter result is checked against an f32 reference before it is timed.
+
+  python benchmarks/matmul_reduce_scatter.py                # the BENCHMARKS.md shapes, all GPUs
+  python benchmarks/matmul_reduce_scatter.py --quick        # fewer, shorter samples
+  python benchmarks/matmul_reduce_scatter.py --cpu-smoke    # 2 fake CPU devices, tiny shapes
+
+Exit status: 0 when every measured result was correct; 1 when a check failed (or, with
+--require-fused, when the fused path did not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import _common as C
+
+SHAPES = [
+    (8192, 4096, 8192),
+    (8192, 14336, 8192),
+    (16384, 8192, 8192),
+    (4096, 4096, 4096),
+    (2048, 8192, 8192),
+]
+SMOKE_SHAPES = [(64, 32, 48), (128, 64, 64)]
+WINDOWED_FLAGS = (
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+)
+METHODS = ("gemm_only", "xla", "xla_windowed", "rs_only", "jaxoverlap")
+BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32; bf16 rounds the partials and the sum
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", help="comma-separated MxK_localxN (default: BENCHMARKS.md shapes)")
+    p.add_argument("--tp", type=int, help="ranks (default: all devices)")
+    p.add_argument("--samples", type=int, help="samples per method (default 9, quick 5)")
+    p.add_argument("--target-ms", type=float, help="length of one sample (default 40, quick 15)")
+    p.add_argument("--seed", type=int, help="input seed (default: fresh random, recorded)")
+    p.add_argument("--quick", action="store_true", help="fewer and shorter samples")
+    p.add_argument("--cpu-smoke", action="store_true", help="2 fake CPU devices, tiny shapes")
+    p.add_argument(
+        "--windowed",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="time xla_windowed in a child process (auto: on except --cpu-smoke)",
+    )
+    p.add_argument("--windowed-timeout", type=float, default=240.0, help="child limit, seconds")
+    p.add_argument("--out", help="results folder (default benchmarks/results; smoke: a temp dir)")
+    p.add_argument("--name", help="file stem (default matmul_reduce_scatter_<tp>x<gpu>)")
+    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
+    p.add_argument(
+        "--smoke-stand-in",
+        action="store_true",
+        help="--cpu-smoke only: time backend='xla' in the fused slot, to exercise the "
+        "report logic (labelled as a stand-in)",
+    )
+    p.add_argument("--windowed-child", help=argparse.SUPPRESS)  # internal: JSON path to write
+    a = p.parse_args(argv)
+    a.samples = a.samples or (5 if a.quick or a.cpu_smoke else 9)
+    a.target_ms = a.target_ms or (15.0 if a.quick or a.cpu_smoke else 40.0)
+    if a.shapes:
+        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
+    else:
+        a.shapes = SMOKE_SHAPES if a.cpu_smoke else SHAPES
+    if a.smoke_stand_in and not a.cpu_smoke:
+        p.error("--smoke-stand-in is only for --cpu-smoke")
+    return a
+
+
+# ----------------------------------------------------------------------------- inputs and checks
+
+
+def make_mesh(jax, tp):
+    import numpy as np
+
+    devs = jax.devices()
+    tp = tp or len(devs)
+    if tp > len(devs):
+        sys.exit(f"--tp {tp}: only {len(devs)} devices ({devs[0].device_kind})")
+    return jax.sharding.Mesh(np.array(devs[:tp]), ("tp",)), tp
+
+
+def make_inputs(jax, mesh, shape, tp, seed):
+    """x [M, K_local*tp] split over K, w [K_local*tp, N] split over K; random bf16 on device."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    M, Kl, N = shape
+    K = Kl * tp
+    kx, kw, ky = jax.random.split(jax.random.fold_in(jax.random.key(seed), M * 7 + Kl * 3 + N), 3)
+    bf16 = jnp.bfloat16
+
+    def gen(key, shp, spec, scale=1.0):
+        f = jax.jit(
+            lambda k: (jax.random.normal(k, shp, jnp.float32) * scale).astype(bf16),
+            out_shardings=NamedSharding(mesh, spec),
+        )
+        return f(key)
+
+    x = gen(kx, (M, K), P(None, "tp"))
+    w = gen(kw, (K, N), P("tp", None), K**-0.5)
+    y = gen(ky, (M, N * tp), P(None, "tp"))  # rs_only: each rank holds a random [M, N] partial
+    return x, w, y
+
+
+def error_fn(mesh):
+    """(x, w, out) -> max |out - ref| / max |ref| with ref = psum_scatter(x @ w) in f32."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    def body(x, w, out):
+        ref = lax.psum_scatter(
+            jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32)), "tp", tiled=True
+        )
+        err = lax.pmax(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)), "tp")
+        scale = lax.pmax(jnp.max(jnp.abs(ref)), "tp")
+        return err / scale
+
+    return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None), P("tp", None)), P())
+
+
+def check(err_f, x, w, out):
+    rel = float(err_f(x, w, out))
+    return {"rel_err": rel, "ok": bool(rel <= BF16_TOL)}
+
+
+# ----------------------------------------------------------------------------- xla_windowed child
+
+
+def run_windowed_child(args, seed, tp):
+    """Times xla_windowed in a fresh process (before this one touches a GPU); shape -> result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "windowed.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--windowed-child",
+            out,
+            "--seed",
+            str(seed),
+            "--samples",
+            str(args.samples),
+            "--target-ms",
+            str(args.target_ms),
+            "--shapes",
+            ",".join("x".join(map(str, s)) for s in args.shapes),
+        ]
+        cmd += ["--tp", str(tp)] if tp else []
+        cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_FLAGS}")
+        print(f"xla_windowed: child process with XLA_FLAGS={env['XLA_FLAGS'].strip()!r}")
+        try:
+            r = subprocess.run(cmd, env=env, timeout=args.windowed_timeout)
+        except subprocess.TimeoutExpired:
+            return {}, f"xla_windowed child timed out after {args.windowed_timeout:.0f} s"
+        if r.returncode != 0 or not os.path.exists(out):
+            return {}, f"xla_windowed child failed (exit status {r.returncode}); see its output"
+        with open(out) as f:
+            return {tuple(r["shape"]): r for r in json.load(f)}, None
+
+
+def windowed_child(args):
+    jax = C.setup_platform(args.cpu_smoke)
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, tp = make_mesh(jax, args.tp)
+    err_f = error_fn(mesh)
+    out_sh = NamedSharding(mesh, P("tp", None))
+    rows = []
+    for shape in args.shapes:
+        x, w, _ = make_inputs(jax, mesh, shape, tp, args.seed)
+        f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(jnp.matmul(x, w), out_sh))
+        row = {"shape": list(shape)}
+        try:
+            hlo = f.lower(x, w).compile().as_text()
+            row["collective_permutes"] = hlo.count("collective-permute")
+            row["check"] = check(err_f, x, w, f(x, w))
+            if row["check"]["ok"]:
+                row.update(
+                    C.bench(
+                        {"xla_windowed": (f, (x, w))},
+                        samples=args.samples,
+                        target_ms=args.target_ms,
+                    )["xla_windowed"]
+                )
+        except Exception as e:  # noqa: BLE001 - reported, the parent goes on
+            row["error"] = f"{type(e).__name__}: {e}"
+        print("xla_windowed", shape, {k: v for k, v in row.items() if k != "samples_ms"})
+        rows.append(row)
+        del x, w
+    C.write_json(args.windowed_child, rows)
+
+
+# ----------------------------------------------------------------------------- main run
+
+
+def jaxoverlap_fns(jax, mesh, stand_in):
+    """backend -> jitted fn, or a sentence saying why jaxoverlap cannot be used at all."""
+    from jax.sharding import PartitionSpec as P
+
+    try:
+        jaxoverlap = C.import_jaxoverlap()
+    except Exception as e:  # noqa: BLE001
+        return f"import jaxoverlap failed: {type(e).__name__}: {e}"
+    if not hasattr(jaxoverlap, "matmul_reduce_scatter"):
+        return "jaxoverlap.matmul_reduce_scatter does not exist in this checkout"
+
+    def make(backend):
+        cfg = jaxoverlap.Config(backend=backend)
+
+        def body(x, w):
+            return jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=0, config=cfg)
+
+        return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), P("tp", None))
+
+    return {"fused": make("xla" if stand_in else "fused"), "auto": make("auto")}
+
+
+def measure_shape(jax, mesh, tp, shape, args, seed, jo):
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    M, Kl, N = shape
+    x, w, y = make_inputs(jax, mesh, shape, tp, seed)
+    xw = (P(None, "tp"), P("tp", None))
+    gemm = C.shard_map(jnp.matmul, mesh, xw, P(None, "tp"))
+    xla = C.shard_map(
+        lambda x, w: lax.psum_scatter(jnp.matmul(x, w), "tp", tiled=True), mesh, xw, P("tp", None)
+    )
+    rs = C.shard_map(
+        lambda y: lax.psum_scatter(y, "tp", tiled=True), mesh, P(None, "tp"), P("tp", None)
+    )
+    err_f = error_fn(mesh)
+    row = {
+        "M": M,
+        "K_local": Kl,
+        "N": N,
+        "tp": tp,
+        "dtype": "bfloat16",
+        "notes": [],
+        "check": {},
+        "iters": {},
+        "samples_ms": {},
+    }
+    fns = {"gemm_only": (gemm, (x, w)), "rs_only": (rs, (y,))}
+    row["check"]["xla"] = check(err_f, x, w, xla(x, w))
+    if row["check"]["xla"]["ok"]:
+        fns["xla"] = (xla, (x, w))
+    if isinstance(jo, str):
+        row["notes"].append(jo)
+    else:
+        for backend, f in jo.items():
+            key = "jaxoverlap" if backend == "fused" else "auto"
+            try:
+                targets = C.custom_call_targets(f.lower(x, w).compile().as_text())
+                ours = [t for t in targets if t.startswith("jaxoverlap")]
+                if backend == "fused":
+                    row["fused_custom_calls"] = ours
+                    if not ours:
+                        row["notes"].append("backend='fused' compiled without a jaxoverlap call")
+                else:
+                    row["auto_picks"] = "fused" if ours else "xla"
+                row["check"][key] = check(err_f, x, w, f(x, w))
+            except Exception as e:  # noqa: BLE001 - the reason is the result
+                row["notes"].append(f"backend={backend!r}: {type(e).__name__}: {e}".strip())
+                continue
+            if row["check"][key]["ok"]:
+                fns[key] = (f, (x, w))
+            else:
+                row["notes"].append(f"backend={backend!r}: WRONG RESULT, not timed")
+    res = C.bench(fns, samples=args.samples, target_ms=args.target_ms)
+    row["ms"] = {m: res[m]["ms"] if m in res else None for m in METHODS}
+    row["auto_ms"] = res["auto"]["ms"] if "auto" in res else None
+    for name, r in res.items():
+        row["iters"][name], row["samples_ms"][name] = r["iters"], r["samples_ms"]
+    del x, w, y
+    return row
+
+
+def add_windowed(row, win, win_err):
+    r = win.get((row["M"], row["K_local"], row["N"]))
+    if r is None:
+        if win_err:
+            row["notes"].append(win_err)
+        return
+    row["xla_windowed_collective_permutes"] = r.get("collective_permutes")
+    if "check" in r:
+        row["check"]["xla_windowed"] = r["check"]
+    if "ms" in r:
+        row["ms"]["xla_windowed"] = r["ms"]
+        row["iters"]["xla_windowed"], row["samples_ms"]["xla_windowed"] = (
+            r["iters"],
+            r["samples_ms"],
+        )
+    elif "error" in r:
+        row["notes"].append(f"xla_windowed: {r['error']}")
+
+
+def report(rows, stand_in):
+    """The stdout table and the geometric means (also returned for the JSON)."""
+    jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
+    headers = [
+        "shape (MxK_lxN)",
+        "gemm_only",
+        "xla",
+        "xla_win",
+        "rs_only",
+        jo,
+        "auto",
+        "auto=",
+        "xla/jo",
+        "win/jo",
+        "jo/gemm",
+        "xla/auto",
+    ]
+    lines = []
+    for r in rows:
+        ms = r["ms"]
+        lines.append(
+            [
+                f"{r['M']}x{r['K_local']}x{r['N']}",
+                *(C.fmt(ms[m]) for m in METHODS),
+                C.fmt(r["auto_ms"]),
+                r.get("auto_picks", "-"),
+                C.fmt(C.ratio(ms["xla"], ms["jaxoverlap"]), ".2f"),
+                C.fmt(C.ratio(ms["xla_windowed"], ms["jaxoverlap"]), ".2f"),
+                C.fmt(C.ratio(ms["jaxoverlap"], ms["gemm_only"]), ".2f"),
+                C.fmt(C.ratio(ms["xla"], r["auto_ms"]), ".2f"),
+            ]
+        )
+    g = {
+        "jaxoverlap_over_xla": C.geomean(
+            C.ratio(r["ms"]["xla"], r["ms"]["jaxoverlap"]) for r in rows
+        ),
+        "jaxoverlap_over_xla_windowed": C.geomean(
+            C.ratio(r["ms"]["xla_windowed"], r["ms"]["jaxoverlap"]) for r in rows
+        ),
+        "jaxoverlap_over_gemm_only": C.geomean(
+            C.ratio(r["ms"]["jaxoverlap"], r["ms"]["gemm_only"]) for r in rows
+        ),
+        "auto_over_xla": C.geomean(C.ratio(r["ms"]["xla"], r["auto_ms"]) for r in rows),
+    }
+    n = sum(r["ms"]["jaxoverlap"] is not None for r in rows)
+    text = "\n".join(
+        [
+            f"matmul_reduce_scatter, ms (median), tp={rows[0]['tp'] if rows else '-'}, bf16; "
+            "jo = jaxoverlap backend='fused', auto= what backend='auto' runs",
+            C.table(headers, lines),
+            f"geomean speedup of jaxoverlap over xla: {C.fmt(g['jaxoverlap_over_xla'], '.3f')}x, "
+            f"over xla_windowed: {C.fmt(g['jaxoverlap_over_xla_windowed'], '.3f')}x, "
+            f"jaxoverlap/gemm_only: {C.fmt(g['jaxoverlap_over_gemm_only'], '.3f')} "
+            f"({n}/{len(rows)} shapes fused); auto over xla: {C.fmt(g['auto_over_xla'], '.3f')}x",
+        ]
+    )
+    common = set.intersection(*(set(r["notes"]) for r in rows)) if rows else set()
+    notes = [f"  all shapes: {n}" for n in sorted(common)]
+    notes += [
+        f"  {r['M']}x{r['K_local']}x{r['N']}: {n}"
+        for r in rows
+        for n in r["notes"]
+        if n not in common
+    ]
+    if notes:
+        text += "\nnotes:\n" + "\n".join(dict.fromkeys(notes))
+    return text, g
+
+
+def plot(rows, path, title):
+    plt = C.pyplot()
+    if plt is None or not rows:
+        return None
+    names = ["xla", "xla_windowed", "jaxoverlap", "rs_only"]
+    labels = [f"{r['M']}x{r['K_local']}x{r['N']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(names)
+    for i, m in enumerate(names):
+        vals = [C.ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
+        ax.bar(
+            [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))], vals, width, label=m
+        )
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("time / gemm_only (lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.windowed_child:
+        return windowed_child(args)
+    seed = C.fresh_seed(args.seed)
+    win, win_err = {}, "xla_windowed not measured (--windowed off / --cpu-smoke)"
+    if args.windowed == "on" or (args.windowed == "auto" and not args.cpu_smoke):
+        win, win_err = run_windowed_child(args, seed, args.tp)  # before this process uses a GPU
+    jax = C.setup_platform(args.cpu_smoke)
+    mesh, tp = make_mesh(jax, args.tp)
+    info = C.run_info(args.cpu_smoke)
+    print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
+    jo = jaxoverlap_fns(jax, mesh, args.smoke_stand_in)
+    rows = []
+    for shape in args.shapes:
+        row = measure_shape(jax, mesh, tp, shape, args, seed, jo)
+        add_windowed(row, win, win_err)
+        print(
+            json.dumps({k: row[k] for k in ("M", "K_local", "N", "ms", "auto_ms", "notes")}),
+            flush=True,
+        )
+        rows.append(row)
+    text, g = report(rows, args.smoke_stand_in)
+    gpu = info["machine"].split(";")[0].split(",")[0].split()[-1] if not args.cpu_smoke else "cpu"
+    name = args.name or f"matmul_reduce_scatter_{tp}x{gpu}" + ("_smoke" if args.cpu_smoke else "")
+    out = args.out or (
+        os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
+        if args.cpu_smoke
+        else os.path.join(os.path.dirname(__file__), "results")
+    )
+    doc = {
+        **info,
+        "tp": tp,
+        "seed": seed,
+        "timing": C.TIMING,
+        "samples": args.samples,
+        "target_sample_ms": args.target_ms,
+        "check_tolerance_rel": BF16_TOL,
+        "stand_in": args.smoke_stand_in,
+        "geomean": g,
+        "rows": rows,
+    }
+    C.write_json(os.path.join(out, name + ".json"), doc)
+    with open(os.path.join(out, name + ".txt"), "w") as f:
+        f.write(text + "\n")
+    png = plot(rows, os.path.join(out, name + ".png"), f"{info['machine']} {info['date']}")
+    print(f"wrote {os.path.join(out, name)}.json/.txt" + (" and .png" if png else ""))
+    print(text)
+    bad = [
+        f"{r['M']}x{r['K_local']}x{r['N']} {m}"
+        for r in rows
+        for m, c in r["check"].items()
+        if not c["ok"]
+    ]
+    if bad:
+        print("FAILED correctness check: " + ", ".join(bad))
+        return 1
+    if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
+        print("FAILED: --require-fused, but the fused path did not run on every shape")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
