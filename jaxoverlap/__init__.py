@@ -1,0 +1,18 @@
+"""jaxoverlap: GEMM + collective ops for tensor-parallel JAX, fused on NVLink-connected Hopper GPUs.
+
+Call the ops inside ``jax.shard_map``; each equals its lax composition (see `jaxoverlap.reference`)
+and runs it wherever the fused GPU path cannot run (CPU, other GPUs, unsupported shapes).
+Importing this package never initialises CUDA.
+"""
+
+from jaxoverlap.config import Config
+from jaxoverlap.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "all_gather_matmul",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+]

@@ -1,0 +1,85 @@
+"""Shared test machinery: meshes over the 8 fake CPU devices, random inputs, tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Tolerances per dtype for comparing an op with its reference (same math, maybe another order).
+TOL = {
+    jnp.float32: dict(rtol=2e-5, atol=2e-5),
+    jnp.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    jnp.float16: dict(rtol=2e-3, atol=2e-3),
+}
+# Gradients go through one more matmul and a sum over the group: looser for low precision.
+GRAD_TOL = {
+    jnp.float32: dict(rtol=1e-4, atol=1e-4),
+    jnp.bfloat16: dict(rtol=4e-2, atol=6e-2),
+    jnp.float16: dict(rtol=4e-3, atol=6e-3),
+}
+
+# name -> (axis names, axis sizes, device order)
+MESHES = {
+    "tp2": (("tp",), (2,), None),
+    "tp4": (("tp",), (4,), None),
+    "tp8": (("tp",), (8,), None),
+    "dp2_tp4": (("dp", "tp"), (2, 4), None),
+    "tp4_dp2_permuted": (("tp", "dp"), (4, 2), (3, 6, 0, 5, 2, 7, 1, 4)),
+}
+
+
+def make_mesh(name):
+    names, sizes, order = MESHES[name]
+    devices = jax.devices()[: int(np.prod(sizes))]
+    if order is not None:
+        devices = [devices[i] for i in order]
+    return Mesh(
+        np.array(devices).reshape(sizes), names, axis_types=(AxisType.Explicit,) * len(names)
+    )
+
+
+def axis_size(mesh, axes):
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def spec_entry(axes):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def random(key, shape, dtype):
+    """Random normal inputs scaled so matmul outputs stay O(1) in every dtype."""
+    scale = 1.0 / np.sqrt(shape[-1]) if len(shape) > 1 else 1.0
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def place(mesh, arrays, specs):
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+
+
+def sharded(mesh, fn, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def assert_close(actual, expected, tol, what=""):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    np.testing.assert_allclose(actual, expected, err_msg=what, **tol)
+
+
+__all__ = [
+    "P",
+    "TOL",
+    "GRAD_TOL",
+    "MESHES",
+    "make_mesh",
+    "axis_size",
+    "spec_entry",
+    "random",
+    "place",
+    "sharded",
+    "assert_close",
+]
