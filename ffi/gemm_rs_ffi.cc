@@ -1,0 +1,165 @@
+// FFI handler of the fused GEMM + reduce-scatter (jaxoverlap_gemm_rs_v1): decode, validate,
+// fork onto the GEMM and comm green-context streams, launch, join back onto XLA's stream.
+// Schedule for rank r of n ("decomposed", DESIGN.md section 5): the GEMM computes the row
+// blocks of ranks r+1, ..., r-1 chunk by chunk into the partials buffer and signals each chunk;
+// the comm kernel pushes each finished chunk to its owner's staging slot; last, the GEMM computes
+// its own block chunk by chunk with C = the peers' contribution (beta = 1), so the reduction
+// costs no extra pass. n > 2: the comm kernel's receivers first sum the peers' chunks in rank
+// order.
+#include <string>
+#include <vector>
+
+#include "handler_common.h"
+#include "kernels/comm.h"
+#include "runtime.h"
+
+namespace jaxoverlap {
+namespace {
+
+constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused)";
+
+ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
+                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                      int64_t chunks, double timeout_s, int64_t stall_rank) {
+  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  DType dtype;
+  if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
+      out->element_type() != x.element_type())
+    return invalid(kWhat, "x, w and the result must all be bfloat16 or all float16");
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[0])
+    return invalid(kWhat, "expected x[..., K] and w[K, N]");
+  const int64_t K = wd[0], N = wd[1];
+  const int64_t M = K ? (int64_t)x.element_count() / K : 0;
+  const int64_t elt = 2;
+  if (M % n || (int64_t)out->element_count() != M / n * N)
+    return invalid(kWhat, "result size is not (rows / group size) x N");
+  const int64_t m = M / n;
+  if (chunks < 1 || chunks > kMaxChunks || m % chunks)
+    return invalid(kWhat, "chunks must divide the rows per rank and be at most 16");
+  const int64_t mc = m / chunks;
+  if ((mc * K * elt) % 256 || (mc * N * elt) % 256)
+    return invalid(kWhat, "rows per chunk x K and rows per chunk x N must be multiples of 128 "
+                          "elements (256-byte alignment of every GEMM operand)");
+  int rank = -1;
+  std::vector<int> group;
+  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
+    return invalid(kWhat, e);
+
+  DeviceGuard guard;
+  cudaSetDevice(device);
+  DeviceRuntime* dev;
+  Partition* part;
+  Workspace* ws;
+  const int64_t block_bytes = m * N * elt;
+  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
+  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
+  if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
+  if (std::string e = workspace(site, group, block_bytes, true, &ws); !e.empty())
+    return internal(kWhat, e);
+  ErrorRecord* err = error_record(device);
+  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+  const Peers& peers = ws->peers[rank];
+  Flags* local = peers.flags[rank];
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  const void* wp = w.untyped_data();
+  char* op = static_cast<char*>(out->untyped_data());
+  char* partials = ws->part[rank];
+  const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms};
+  const GemmShape own{mc, N, K, dtype, true, part->gemm_sms};
+  const int senders = n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
+                             : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
+  const int receivers = n == 2 ? 0 : (int)std::min<int64_t>(comm_sms - senders, kMaxSenders);
+  const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
+
+  if (!ws->warmed[rank]) {
+    // Load cuBLASLt's kernels (and pick the plans) before any spinning kernel is in flight.
+    for (const GemmShape* s : {&foreign, &own})
+      if (std::string e = dev->gemm.run(*s, xp, wp, partials, partials, part->gemm); !e.empty())
+        return internal(kWhat, e);
+    if (cudaError_t e = cudaStreamSynchronize(part->gemm))
+      return internal(kWhat, std::string("warm-up GEMM failed: ") + cudaGetErrorString(e));
+    ws->warmed[rank] = true;
+  }
+
+  cudaError_t ce;
+#define CK(call)                                                        \
+  if ((ce = (call)) != cudaSuccess) {                                   \
+    return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
+  }
+  CK(cudaEventRecord(dev->fork, xla_stream));
+  CK(cudaStreamWaitEvent(part->gemm, dev->fork));
+  CK(cudaStreamWaitEvent(part->comm, dev->fork));
+  // Producer first: every GEMM launch precedes the spinning comm kernel in host order.
+  for (int t = 0; t < n - 1; ++t) {
+    const int j = (rank + 1 + t) % (int)n;
+    for (int k = 0; k < chunks; ++k) {
+      const char* a = xp + (j * m + k * mc) * K * elt;
+      char* d = partials + t * block_bytes + k * mc * N * elt;
+      if (std::string e = dev->gemm.run(foreign, a, wp, nullptr, d, part->gemm); !e.empty())
+        return internal(kWhat, e);
+      CK(launch_signal_ready(local, t * (int)chunks + k, part->gemm));
+    }
+  }
+  CommArgs c{};
+  c.peers = peers;
+  c.src = partials;
+  c.own = nullptr;
+  c.out = ws->acc[rank];
+  c.block_bytes = block_bytes;
+  c.chunks = (int)chunks;
+  c.senders = senders;
+  c.receivers = receivers;
+  c.src_by_step = 1;
+  c.wait_ready = 1;
+  c.signal_reduced = n > 2;
+  c.stall_rank = (int)stall_rank;
+  c.op = kOpGemmRs;
+  c.timeout_ns = timeout_ns;
+  c.err = err;
+  c.dtype = dtype;
+  CK(launch_comm(c, part->comm));
+  const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
+  for (int k = 0; k < chunks; ++k) {
+    CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
+                         err, part->gemm));
+    const char* cin = n == 2 ? peers.stage[rank] +
+                                   stage_slot(peer, rank, (int)n) * block_bytes + k * mc * N * elt
+                             : ws->acc[rank] + k * mc * N * elt;
+    const char* a = xp + (rank * m + k * mc) * K * elt;
+    if (std::string e = dev->gemm.run(own, a, wp, cin, op + k * mc * N * elt, part->gemm);
+        !e.empty())
+      return internal(kWhat, e);
+  }
+  CK(launch_release_slots(peers, part->gemm));
+  CK(cudaEventRecord(dev->gemm_done, part->gemm));
+  CK(cudaEventRecord(dev->comm_done, part->comm));
+  CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
+  CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
+  CK(launch_finish(local, xla_stream));
+#undef CK
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxoverlap
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [..., K]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w [K, N]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [rows / n, ..., N]
+                                  .Attr<int64_t>("site")
+                                  .Attr<xla::ffi::Span<const int32_t>>("ordinals")
+                                  .Attr<xla::ffi::Span<const int32_t>>("ranks")
+                                  .Attr<xla::ffi::Span<const int32_t>>("groups")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("comm_sms")
+                                  .Attr<int64_t>("chunks")
+                                  .Attr<double>("timeout_s")
+                                  .Attr<int64_t>("stall_rank"));

@@ -1,0 +1,223 @@
+// Communication kernels of the fused GEMM + reduce-scatter and of the standalone TMA
+// reduce-scatter. Protocol (rank r of n, epoch target e = Flags::epoch + 1 of this call):
+//   sender CTA b, step t = 0 .. n-2, destination j = r + 1 + t (mod n):
+//     wait slot_free[j] >= e - 1 (j consumed what we sent last call), then per chunk k:
+//     [wait ready[t * chunks + k] >= e]  TMA: local block -> smem -> stage slot on rank j,
+//     wait_group 0 (writes visible), st.release.sys arrive[r][k][b] = e on rank j.
+//   receiver CTA: per chunk k, wait arrive[s][k][*] >= e for every s != r, then sum the n
+//     contributions in rank order (f32), store, optionally release reduced[k][cta] = e.
+// Sums are taken in a fixed order, never in arrival order, so results are bitwise repeatable.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/comm.h"
+
+namespace jaxoverlap {
+namespace {
+
+__device__ __forceinline__ uint32_t call_target(const Peers& p) {
+  return p.flags[p.rank]->epoch + 1u;
+}
+
+__device__ void sender(const CommArgs& a, char* smem, uint64_t* mbar, int b) {
+  const Peers& p = a.peers;
+  const int n = p.n, r = p.rank;
+  Flags* local = p.flags[r];
+  const uint32_t e = call_target(p);
+  const int64_t chunk_bytes = a.block_bytes / a.chunks;
+  const int64_t pieces = (chunk_bytes + kPieceBytes - 1) / kPieceBytes;
+  for (int s = 0; s < kStages; ++s) mbar_init(&mbar[s], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  uint32_t it = 0;  // loads issued by this CTA so far (stage = it % kStages)
+  for (int t = 0; t < n - 1; ++t) {
+    const int j = (r + 1 + t) % n;
+    wait_flag(&local->slot_free[j], e - 1u, true, a.timeout_ns, a.err, p,
+              {a.op, kWaitSlotFree, j, -1});
+    const char* block = a.src + (int64_t)(a.src_by_step ? t : j) * a.block_bytes;
+    char* dst_block = p.stage[j] + (int64_t)stage_slot(r, j, n) * a.block_bytes;
+    for (int k = 0; k < a.chunks; ++k) {
+      if (a.wait_ready) {
+        wait_flag(&local->ready[t * a.chunks + k], e, false, a.timeout_ns, a.err, p,
+                  {a.op, kWaitGemmChunk, r, t * a.chunks + k});
+        fence_proxy_async();  // generic-proxy GEMM writes -> async-proxy (TMA) reads
+      }
+      const char* src = block + k * chunk_bytes;
+      char* dst = dst_block + k * chunk_bytes;
+      // my pieces: b, b + senders, ...
+      const int64_t mine = pieces > b ? (pieces - 1 - b) / a.senders + 1 : 0;
+      auto piece_off = [&](int64_t i) { return (b + i * a.senders) * (int64_t)kPieceBytes; };
+      auto piece_len = [&](int64_t i) {
+        const int64_t off = piece_off(i);
+        return (uint32_t)(chunk_bytes - off < kPieceBytes ? chunk_bytes - off : kPieceBytes);
+      };
+      auto load = [&](int64_t i) {
+        const uint32_t st = (it + i) % kStages;
+        mbar_expect_tx(&mbar[st], piece_len(i));
+        tma_load(smem + st * kPieceBytes, src + piece_off(i), piece_len(i), &mbar[st]);
+      };
+      for (int64_t i = 0; i < mine && i < kStages; ++i) load(i);
+      for (int64_t i = 0; i < mine; ++i) {
+        const uint32_t st = (it + i) % kStages;
+        mbar_wait(&mbar[st], ((it + i) / kStages) & 1u);
+        tma_store(dst + piece_off(i), smem + st * kPieceBytes, piece_len(i));
+        tma_commit();
+        // refill the stage of the previous piece once its store has read smem (keep one store
+        // in flight while the next load is issued)
+        if (i >= 1 && i - 1 + kStages < mine) {
+          tma_wait_read<1>();
+          load(i - 1 + kStages);
+        }
+      }
+      // the last stage's refill (i = mine - 1 + 1) never happens inside the loop
+      it += (uint32_t)mine;
+      tma_wait_all();
+      if (a.stall_rank != r) st_release_sys(&p.flags[j]->arrive[r][k][b], e);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void add8(float* acc, const uint4& v) {
+  const T* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] += static_cast<float>(h[i]);
+}
+
+template <typename T>
+__device__ void receiver(const CommArgs& a, int rb) {
+  const Peers& p = a.peers;
+  const int n = p.n, r = p.rank;
+  Flags* local = p.flags[r];
+  const uint32_t e = call_target(p);
+  const int64_t chunk_bytes = a.block_bytes / a.chunks;
+  const int64_t vecs = chunk_bytes / 16;
+  for (int k = 0; k < a.chunks; ++k) {
+    for (int idx = threadIdx.x; idx < n * a.senders; idx += blockDim.x) {
+      const int s = idx / a.senders, q = idx % a.senders;
+      if (s != r)
+        wait_flag(&local->arrive[s][k][q], e, true, a.timeout_ns, a.err, p,
+                  {a.op, kWaitArrival, s, k});
+    }
+    __syncthreads();
+    const uint4* srcs[kMaxRanks];
+    for (int s = 0; s < n; ++s) {
+      const char* base = s == r ? a.own
+                                : p.stage[r] + (int64_t)stage_slot(s, r, n) * a.block_bytes;
+      srcs[s] = base ? reinterpret_cast<const uint4*>(base + k * chunk_bytes) : nullptr;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(a.out + k * chunk_bytes);
+    for (int64_t v = (int64_t)rb * blockDim.x + threadIdx.x; v < vecs;
+         v += (int64_t)a.receivers * blockDim.x) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int s = 0; s < n; ++s)
+        if (srcs[s]) add8<T>(acc, srcs[s][v]);
+      uint4 o;
+      T* h = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[i] = static_cast<T>(acc[i]);
+      dst[v] = o;
+    }
+    if (a.signal_reduced) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        st_release_gpu(&local->reduced[k][rb], e);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCommThreads, 1) comm_kernel(const __grid_constant__ CommArgs a) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t mbar[kStages];
+  if ((int)blockIdx.x < a.senders) {
+    if (threadIdx.x == 0) sender(a, smem, mbar, blockIdx.x);
+  } else {
+    receiver<T>(a, blockIdx.x - a.senders);
+  }
+}
+
+__global__ void signal_ready_kernel(Flags* local, int index) {
+  st_release_gpu(&local->ready[index], local->epoch + 1u);
+}
+
+__global__ void wait_chunk_kernel(const __grid_constant__ Peers p, int chunk, int count,
+                                  int from_reduced, int op, uint64_t timeout_ns,
+                                  ErrorRecord* err) {
+  Flags* local = p.flags[p.rank];
+  const uint32_t e = local->epoch + 1u;
+  for (int s = 0; s < p.n; ++s) {
+    if (s == p.rank) continue;
+    const int q = threadIdx.x;
+    if (q < count) {
+      const uint32_t* f = from_reduced ? &local->reduced[chunk][q] : &local->arrive[s][chunk][q];
+      wait_flag(f, e, !from_reduced, timeout_ns, err, p,
+                {op, from_reduced ? kWaitReduced : kWaitArrival, s, chunk});
+    }
+    if (from_reduced) break;
+  }
+  fence_proxy_async();  // the GEMM may read the staged data through TMA
+}
+
+__global__ void release_slots_kernel(const __grid_constant__ Peers p) {
+  const int s = threadIdx.x;
+  const uint32_t e = p.flags[p.rank]->epoch + 1u;
+  if (s < p.n && s != p.rank) st_release_sys(&p.flags[s]->slot_free[p.rank], e);
+}
+
+__global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; }
+
+constexpr int kCommSmem = kStages * kPieceBytes;
+
+}  // namespace
+
+cudaError_t preload_comm_kernels() {
+  cudaFuncAttributes attr;
+  cudaError_t e;
+  if ((e = cudaFuncSetAttribute(comm_kernel<__nv_bfloat16>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, kCommSmem)))
+    return e;
+  if ((e = cudaFuncSetAttribute(comm_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kCommSmem)))
+    return e;
+  const void* fns[] = {(const void*)comm_kernel<__nv_bfloat16>, (const void*)comm_kernel<__half>,
+                       (const void*)signal_ready_kernel,        (const void*)wait_chunk_kernel,
+                       (const void*)release_slots_kernel,       (const void*)finish_kernel};
+  for (const void* f : fns)
+    if ((e = cudaFuncGetAttributes(&attr, f))) return e;
+  return cudaSuccess;
+}
+
+cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream) {
+  const int grid = a.senders + a.receivers;
+  if (a.dtype == DType::kBF16)
+    comm_kernel<__nv_bfloat16><<<grid, kCommThreads, kCommSmem, stream>>>(a);
+  else
+    comm_kernel<__half><<<grid, kCommThreads, kCommSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_signal_ready(Flags* local, int index, cudaStream_t stream) {
+  signal_ready_kernel<<<1, 1, 0, stream>>>(local, index);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from_reduced, int op,
+                              uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream) {
+  wait_chunk_kernel<<<1, kMaxSenders, 0, stream>>>(peers, chunk, count, from_reduced, op,
+                                                   timeout_ns, err);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
+  release_slots_kernel<<<1, kMaxRanks, 0, stream>>>(peers);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_finish(Flags* local, cudaStream_t stream) {
+  finish_kernel<<<1, 1, 0, stream>>>(local);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxoverlap

@@ -1,0 +1,49 @@
+// Host-side declarations of the communication kernels (ffi/kernels/comm.cu). Plain CUDA runtime
+// types only, so the handler files can include it without device code.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace jaxoverlap {
+
+enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
+
+constexpr uint32_t kPieceBytes = 32 * 1024;  // one TMA transfer
+constexpr int kStages = 4;                   // smem pipeline depth of a sender CTA
+constexpr int kCommThreads = 256;            // receivers use all threads, senders one
+
+// One launch of the persistent communication kernel. CTAs [0, senders) push finished blocks to
+// their owners with TMA; CTAs [senders, senders + receivers) sum what arrived, in rank order.
+struct CommArgs {
+  Peers peers;
+  const char* src;        // blocks to push (block index = step t if src_by_step, else dest rank)
+  const char* own;        // this rank's own block, summed in its rank position (nullptr: none)
+  char* out;              // receivers write the sum of chunk k here (+ k * chunk_bytes)
+  int64_t block_bytes;    // bytes of one rank's row block
+  int32_t chunks;         // sub-chunks per block (each signalled separately)
+  int32_t senders, receivers;
+  int32_t src_by_step;    // 1: src block t is sent at step t (GEMM partials), 0: block j to rank j
+  int32_t wait_ready;     // 1: wait for Flags::ready[t * chunks + k] before pushing (GEMM driver)
+  int32_t signal_reduced; // 1: receivers release Flags::reduced[k][cta] when chunk k is summed
+  int32_t stall_rank;     // test-only: this rank never signals its pushes (-1: none)
+  int32_t op;
+  uint64_t timeout_ns;
+  ErrorRecord* err;
+  DType dtype;
+};
+
+cudaError_t preload_comm_kernels();  // force-load every kernel below on the current device
+cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream);
+// GEMM-stream helpers: signal a finished chunk, wait for a chunk's inputs, release the staging
+// slots this rank consumed, and (on XLA's stream after the join) advance the epoch.
+cudaError_t launch_signal_ready(Flags* local, int index, cudaStream_t stream);
+cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from_reduced,
+                              int op, uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
+cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream);
+cudaError_t launch_finish(Flags* local, cudaStream_t stream);
+
+}  // namespace jaxoverlap

@@ -1,0 +1,162 @@
+// Device-side building blocks shared by the jaxoverlap kernels: the per-workspace flag block,
+// the peer table, the error record, .sys/.gpu release/acquire, bounded waits, TMA wrappers.
+// Device code only: never include XLA or nanobind headers here.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+namespace jaxoverlap {
+
+constexpr int kMaxRanks = 8;     // peers in one group (NVLink domain of one host)
+constexpr int kMaxChunks = 16;   // sub-chunks a row block is split into
+constexpr int kMaxSenders = 32;  // sender CTAs of one comm kernel (one arrival flag each)
+
+enum OpCode : int32_t { kOpGemmRs = 1, kOpReduceScatter = 2 };
+enum WaitWhat : int32_t {
+  kWaitGemmChunk = 1,  // comm kernel waited for the local GEMM to finish a chunk
+  kWaitSlotFree = 2,   // comm kernel waited for a peer to release its staging slot (last call)
+  kWaitArrival = 3,    // a consumer waited for a peer's pushed chunk
+  kWaitReduced = 4,    // the GEMM waited for the locally reduced peer sum (n > 2)
+};
+
+// Lives in host-mapped pinned memory so the host can read it even after the kernel trapped.
+struct ErrorRecord {
+  int32_t set, op, what, device, rank, peer, chunk;
+  uint32_t target, seen;
+  double waited_s;
+};
+
+// One per (workspace, device); in device memory of that device; peers write into it over
+// NVLink. Flags are monotonic epochs: never reset, compared as (int32_t)(value - target) >= 0.
+struct Flags {
+  uint32_t epoch;  // calls completed on this workspace (incremented by the finish kernel)
+  uint32_t pad0[31];
+  uint32_t ready[kMaxRanks * kMaxChunks];                  // local GEMM chunk finished
+  uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
+  uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
+  uint32_t reduced[kMaxChunks][kMaxSenders];               // n > 2: [chunk][receiver CTA]
+};
+
+// The group as a kernel sees it (passed by value, __grid_constant__).
+struct Peers {
+  int32_t n, rank, device;
+  char* stage[kMaxRanks];  // staging area on each rank (n - 1 slots of one block)
+  Flags* flags[kMaxRanks];  // flag block on each rank
+};
+
+// Staging slot on rank `dst` that holds the data sent by rank `src`.
+__host__ __device__ inline int stage_slot(int src, int dst, int n) { return (src - dst - 1 + n) % n; }
+
+#ifdef __CUDACC__
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
+struct WaitSite {
+  int32_t op, what, peer, chunk;
+};
+
+// Spins until *p reaches `target` (monotonic epochs). On timeout: fills the host-mapped error
+// record, prints it, and traps -- the XLA stream then fails instead of hanging, and the next
+// jaxoverlap call on any device raises with this record.
+__device__ __noinline__ void wait_flag(const uint32_t* p, uint32_t target, bool sys,
+                                       uint64_t timeout_ns, ErrorRecord* err,
+                                       const Peers& peers, WaitSite site) {
+  uint32_t v = sys ? ld_acquire_sys(p) : ld_acquire_gpu(p);
+  if ((int32_t)(v - target) >= 0) return;
+  const uint64_t t0 = global_ns();
+  uint32_t spins = 0;
+  while (true) {
+    v = sys ? ld_acquire_sys(p) : ld_acquire_gpu(p);
+    if ((int32_t)(v - target) >= 0) return;
+    if ((++spins & 255u) == 0) {
+      const uint64_t dt = global_ns() - t0;
+      if (dt > timeout_ns) {
+        volatile ErrorRecord* e = err;
+        e->op = site.op;
+        e->what = site.what;
+        e->device = peers.device;
+        e->rank = peers.rank;
+        e->peer = site.peer;
+        e->chunk = site.chunk;
+        e->target = target;
+        e->seen = v;
+        e->waited_s = dt * 1e-9;
+        __threadfence_system();
+        e->set = 1;
+        __threadfence_system();
+        printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk %d "
+               "(wait kind %d, flag %u, wanted %u)\n",
+               site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk, site.what, v,
+               target);
+        __trap();
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* m, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(m)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* m, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(m)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* m, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(m)),
+      "r"(phase)
+      : "memory");
+}
+// global (local or peer) -> shared, completes on an mbarrier
+__device__ __forceinline__ void tma_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* m) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_u32(m))
+      : "memory");
+}
+// shared -> global (local or peer), bulk-group completion
+__device__ __forceinline__ void tma_store(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem),
+               "r"(smem_u32(smem)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tma_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Writes complete and visible (not only the smem source reusable): required before a release.
+__device__ __forceinline__ void tma_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+#endif  // __CUDACC__
+
+}  // namespace jaxoverlap

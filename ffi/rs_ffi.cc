@@ -1,0 +1,103 @@
+// FFI handler of the standalone TMA reduce-scatter (jaxoverlap_rs_v1), used by the bandwidth
+// benchmark: x [rows, ...] on each rank, result [rows / n, ...] = sum over ranks of block r, in
+// rank order. Half of the comm partition's CTAs push blocks to their owners with TMA, the other
+// half sum the arrived chunks while later chunks are still in flight.
+#include <string>
+#include <vector>
+
+#include "handler_common.h"
+#include "kernels/comm.h"
+#include "runtime.h"
+
+namespace jaxoverlap {
+namespace {
+
+constexpr const char* kWhat = "jaxoverlap.tma_reduce_scatter";
+
+ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                  ffi::Result<ffi::AnyBuffer> out, int64_t site, ffi::Span<const int32_t> ordinals,
+                  ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
+                  int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank) {
+  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  DType dtype;
+  if (!to_dtype(x.element_type(), &dtype) || out->element_type() != x.element_type())
+    return invalid(kWhat, "x and the result must both be bfloat16 or both float16");
+  const int64_t bytes = (int64_t)x.size_bytes();
+  if (bytes % n || (int64_t)out->size_bytes() != bytes / n)
+    return invalid(kWhat, "result must hold 1 / group size of x");
+  const int64_t block_bytes = bytes / n;
+  if (chunks < 1 || chunks > kMaxChunks || block_bytes % (16 * chunks))
+    return invalid(kWhat, "each rank's block must split into `chunks` pieces of 16-byte multiples");
+  if (comm_sms < 2) return invalid(kWhat, "comm_sms must be at least 2 (senders + receivers)");
+  int rank = -1;
+  std::vector<int> group;
+  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
+    return invalid(kWhat, e);
+
+  DeviceGuard guard;
+  cudaSetDevice(device);
+  DeviceRuntime* dev;
+  Partition* part;
+  Workspace* ws;
+  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
+  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
+  if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
+  if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
+    return internal(kWhat, e);
+  ErrorRecord* err = error_record(device);
+  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+  const Peers& peers = ws->peers[rank];
+  const char* xp = static_cast<const char*>(x.untyped_data());
+
+  CommArgs c{};
+  c.peers = peers;
+  c.src = xp;
+  c.own = xp + rank * block_bytes;
+  c.out = static_cast<char*>(out->untyped_data());
+  c.block_bytes = block_bytes;
+  c.chunks = (int)chunks;
+  c.senders = (int)std::min<int64_t>(comm_sms / 2, kMaxSenders);
+  c.receivers = (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
+  c.src_by_step = 0;
+  c.wait_ready = 0;
+  c.signal_reduced = 0;
+  c.stall_rank = (int)stall_rank;
+  c.op = kOpReduceScatter;
+  c.timeout_ns = (uint64_t)(timeout_s * 1e9);
+  c.err = err;
+  c.dtype = dtype;
+
+  cudaError_t ce;
+#define CK(call)                                                                \
+  if ((ce = (call)) != cudaSuccess) {                                           \
+    return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
+  }
+  CK(cudaEventRecord(dev->fork, xla_stream));
+  CK(cudaStreamWaitEvent(part->comm, dev->fork));
+  CK(launch_comm(c, part->comm));
+  CK(launch_release_slots(peers, part->comm));
+  CK(cudaEventRecord(dev->comm_done, part->comm));
+  CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
+  CK(launch_finish(peers.flags[rank], xla_stream));
+#undef CK
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxoverlap
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapRsV1, jaxoverlap::RsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [rows, ...]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [rows / n, ...]
+                                  .Attr<int64_t>("site")
+                                  .Attr<xla::ffi::Span<const int32_t>>("ordinals")
+                                  .Attr<xla::ffi::Span<const int32_t>>("ranks")
+                                  .Attr<xla::ffi::Span<const int32_t>>("groups")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("comm_sms")
+                                  .Attr<int64_t>("chunks")
+                                  .Attr<double>("timeout_s")
+                                  .Attr<int64_t>("stall_rank"));

@@ -1,0 +1,241 @@
+#include "runtime.h"
+
+#include <cuda.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "kernels/comm.h"
+
+namespace jaxoverlap {
+namespace {
+
+std::string cuda_error(const char* what, cudaError_t e) {
+  return std::string(what) + " failed: " + cudaGetErrorString(e);
+}
+
+// Driver API through the runtime's entry-point query: no link against libcuda.
+struct Driver {
+  decltype(&cuDeviceGet) DeviceGet = nullptr;
+  decltype(&cuDeviceGetDevResource) DeviceGetDevResource = nullptr;
+  decltype(&cuDevSmResourceSplitByCount) DevSmResourceSplitByCount = nullptr;
+  decltype(&cuDevResourceGenerateDesc) DevResourceGenerateDesc = nullptr;
+  decltype(&cuGreenCtxCreate) GreenCtxCreate = nullptr;
+  decltype(&cuGreenCtxStreamCreate) GreenCtxStreamCreate = nullptr;
+  std::string error;
+};
+
+template <typename F>
+void load_symbol(const char* name, F* fn, std::string* error) {
+  cudaDriverEntryPointQueryResult q;
+  void* p = nullptr;
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 13000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !p) {
+    *error += std::string(error->empty() ? "" : "; ") + name + " not found in the CUDA driver";
+    return;
+  }
+  *fn = reinterpret_cast<F>(p);
+}
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver r;
+    load_symbol("cuDeviceGet", &r.DeviceGet, &r.error);
+    load_symbol("cuDeviceGetDevResource", &r.DeviceGetDevResource, &r.error);
+    load_symbol("cuDevSmResourceSplitByCount", &r.DevSmResourceSplitByCount, &r.error);
+    load_symbol("cuDevResourceGenerateDesc", &r.DevResourceGenerateDesc, &r.error);
+    load_symbol("cuGreenCtxCreate", &r.GreenCtxCreate, &r.error);
+    load_symbol("cuGreenCtxStreamCreate", &r.GreenCtxStreamCreate, &r.error);
+    return r;
+  }();
+  return d;
+}
+
+std::string cu_error(const char* what, CUresult r) {
+  return std::string(what) + " failed with CUresult " + std::to_string((int)r);
+}
+
+std::mutex g_mu;  // guards the maps below (creation only; entries are never removed)
+std::map<int, std::unique_ptr<DeviceRuntime>> g_devices;
+std::map<std::tuple<int64_t, std::vector<int>>, std::unique_ptr<Workspace>> g_workspaces;
+ErrorRecord* g_errors = nullptr;  // [kMaxDevices], host-mapped
+constexpr int kMaxDevices = 64;
+
+const char* what_name(int what) {
+  switch (what) {
+    case kWaitGemmChunk: return "its own GEMM to finish the chunk";
+    case kWaitSlotFree: return "the peer to release its staging slot from the previous call";
+    case kWaitArrival: return "the peer's pushed chunk";
+    case kWaitReduced: return "the local sum of the peers' chunk";
+  }
+  return "a flag";
+}
+
+}  // namespace
+
+std::string device_runtime(int ordinal, DeviceRuntime** out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& slot = g_devices[ordinal];
+  if (!slot) {
+    auto dev = std::make_unique<DeviceRuntime>();
+    dev->ordinal = ordinal;
+    DeviceGuard guard;
+    if (cudaError_t e = cudaSetDevice(ordinal)) return cuda_error("cudaSetDevice", e);
+    if (cudaError_t e = cudaDeviceGetAttribute(&dev->total_sms, cudaDevAttrMultiProcessorCount,
+                                               ordinal))
+      return cuda_error("cudaDeviceGetAttribute", e);
+    for (cudaEvent_t* ev : {&dev->fork, &dev->gemm_done, &dev->comm_done})
+      if (cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming))
+        return cuda_error("cudaEventCreate", e);
+    if (std::string err = dev->gemm.init(); !err.empty()) return err;
+    slot = std::move(dev);
+  }
+  *out = slot.get();
+  return "";
+}
+
+std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
+  auto it = dev->partitions.find(comm_sms);
+  if (it != dev->partitions.end()) {
+    *out = &it->second;
+    return "";
+  }
+  const Driver& d = driver();
+  if (!d.error.empty()) return "green contexts unavailable: " + d.error;
+  CUdevice cu_dev;
+  CUresult r;
+  if ((r = d.DeviceGet(&cu_dev, dev->ordinal))) return cu_error("cuDeviceGet", r);
+  CUdevResource all, group, rest;
+  if ((r = d.DeviceGetDevResource(cu_dev, &all, CU_DEV_RESOURCE_TYPE_SM)))
+    return cu_error("cuDeviceGetDevResource", r);
+  const int total = (int)all.sm.smCount;
+  if (comm_sms < 1 || comm_sms > total - 8)
+    return "comm_sms=" + std::to_string(comm_sms) + " leaves no GEMM partition on a " +
+           std::to_string(total) + "-SM device";
+  // The structured group (a multiple of 8 SMs) is whichever side the request makes a multiple
+  // of 8; the other side gets the remainder, whose size is free.
+  const bool comm_is_group = comm_sms % 8 == 0;
+  const unsigned want = comm_is_group ? comm_sms : ((total - comm_sms) / 8) * 8;
+  unsigned groups = 1;
+  if ((r = d.DevSmResourceSplitByCount(&group, &groups, &all, &rest, 0, want)))
+    return cu_error("cuDevSmResourceSplitByCount", r);
+  CUdevResource gemm_res = comm_is_group ? rest : group;
+  CUdevResource comm_res = comm_is_group ? group : rest;
+  Partition p;
+  p.gemm_sms = (int)gemm_res.sm.smCount;
+  p.comm_sms = (int)comm_res.sm.smCount;
+  CUdevResource* parts[2] = {&gemm_res, &comm_res};
+  cudaStream_t* streams[2] = {&p.gemm, &p.comm};
+  for (int i = 0; i < 2; ++i) {
+    CUdevResourceDesc desc;
+    CUgreenCtx ctx;
+    CUstream s;
+    if ((r = d.DevResourceGenerateDesc(&desc, parts[i], 1)))
+      return cu_error("cuDevResourceGenerateDesc", r);
+    if ((r = d.GreenCtxCreate(&ctx, desc, cu_dev, CU_GREEN_CTX_DEFAULT_STREAM)))
+      return cu_error("cuGreenCtxCreate", r);
+    if ((r = d.GreenCtxStreamCreate(&s, ctx, CU_STREAM_NON_BLOCKING, 0)))
+      return cu_error("cuGreenCtxStreamCreate", r);
+    *streams[i] = (cudaStream_t)s;
+  }
+  auto [pos, _] = dev->partitions.emplace(comm_sms, p);
+  *out = &pos->second;
+  return "";
+}
+
+ErrorRecord* error_record(int ordinal) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_errors) {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, sizeof(ErrorRecord) * kMaxDevices,
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+      return nullptr;
+    std::memset(p, 0, sizeof(ErrorRecord) * kMaxDevices);
+    g_errors = static_cast<ErrorRecord*>(p);
+  }
+  return ordinal >= 0 && ordinal < kMaxDevices ? &g_errors[ordinal] : nullptr;
+}
+
+std::string pending_error() {
+  if (!g_errors) return "";
+  for (int i = 0; i < kMaxDevices; ++i) {
+    const volatile ErrorRecord& e = g_errors[i];
+    if (!e.set) continue;
+    char buf[640];
+    std::snprintf(
+        buf, sizeof(buf),
+        "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
+        "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running "
+        "the same program. This device's CUDA context is unusable now; restart the process.",
+        e.op == kOpGemmRs ? "jaxoverlap.matmul_reduce_scatter" : "jaxoverlap.tma_reduce_scatter",
+        e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
+    return buf;
+  }
+  return "";
+}
+
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
+                      bool with_partials, Workspace** out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& slot = g_workspaces[{site, ordinals}];
+  if (slot) {
+    if (slot->block_bytes != block_bytes)
+      return "internal: workspace of call site " + std::to_string(site) + " reused with another "
+             "block size";
+    *out = slot.get();
+    return "";
+  }
+  const int n = (int)ordinals.size();
+  auto ws = std::make_unique<Workspace>();
+  ws->n = n;
+  ws->ordinals = ordinals;
+  ws->block_bytes = block_bytes;
+  DeviceGuard guard;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, ordinals[i], ordinals[j]);
+      if (!can)
+        return "device " + std::to_string(ordinals[i]) + " cannot access device " +
+               std::to_string(ordinals[j]) + " (no peer access)";
+      cudaSetDevice(ordinals[i]);
+      cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
+    }
+  }
+  Peers base{};
+  base.n = n;
+  for (int i = 0; i < n; ++i) {
+    cudaSetDevice(ordinals[i]);
+    cudaError_t e;
+    if ((e = cudaMalloc(&base.stage[i], (n - 1) * block_bytes)))
+      return cuda_error("cudaMalloc (staging)", e);
+    if ((e = cudaMalloc(&base.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
+    if (with_partials && (e = cudaMalloc(&ws->part[i], (n - 1) * block_bytes)))
+      return cuda_error("cudaMalloc (partials)", e);
+    if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
+      return cuda_error("cudaMalloc (peer sum)", e);
+    cudaStream_t s;
+    if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
+      return cuda_error("cudaStreamCreate", e);
+    cudaMemsetAsync(base.flags[i], 0, sizeof(Flags), s);
+    e = cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    if (e) return cuda_error("clearing the flags", e);
+  }
+  for (int i = 0; i < n; ++i) {
+    ws->peers[i] = base;
+    ws->peers[i].rank = i;
+    ws->peers[i].device = ordinals[i];
+  }
+  slot = std::move(ws);
+  *out = slot.get();
+  return "";
+}
+
+}  // namespace jaxoverlap
