@@ -169,10 +169,12 @@ def register_lowerings(prim, op, reference_fn):
         config = params["config"]
         if config.backend != "xla":
             x_aval, w_aval = ctx.avals_in
-            n = math.prod(
-                ctx.module_context.axis_context.mesh.shape[a] for a in params["axis_name"]
-            )
-            reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
+            mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+            if mesh is None:
+                reason = "the op is not lowered inside a jax.shard_map mesh context"
+            else:
+                n = math.prod(mesh.shape[a] for a in params["axis_name"])
+                reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
             if reason is None:
                 try:
                     return fused.lower(op, ctx, x, w, params)
