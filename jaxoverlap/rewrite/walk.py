@@ -32,7 +32,7 @@ from jaxoverlap.rewrite.patterns import Candidate, Match, find_matches
 
 # Primitives whose jaxpr-valued parameters are run as they are: safe to rewrite inside.
 _TRANSPARENT = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "checkpoint", "remat",
+    {"jit", "pjit", "closed_call", "core_call", "scan", "while", "cond", "checkpoint", "remat2",
      "shard_map"}
 )  # fmt: skip
 # Visited for reporting only; the reason is given to every candidate inside.
@@ -42,6 +42,8 @@ _OPAQUE = {
     "custom_vjp_call": "inside a jax.custom_vjp function (its fwd/bwd rules would still use the "
     "original, so the body is left as written)",
 }
+
+_LABELS = {"remat2": "checkpoint"}
 
 
 class _Rejected(Exception):
@@ -111,7 +113,7 @@ def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
     name = eqn.primitive.name
     if name not in _TRANSPARENT and name not in _OPAQUE:
         return eqn
-    label = f"jit({eqn.params['name']})" if name in ("jit", "pjit") else name
+    label = f"jit({eqn.params['name']})" if name in ("jit", "pjit") else _LABELS.get(name, name)
     inner = state.enter(label, _OPAQUE.get(name))
     context = _shard_map_context(eqn.params) if name == "shard_map" else contextlib.nullcontext()
     with context:
