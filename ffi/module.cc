@@ -1,6 +1,7 @@
 // The Python extension jaxoverlap._native: one registry of FFI targets (name -> stage capsules)
 // and a few runtime helpers. Loading it touches no CUDA API; the handlers create the per-device
 // runtime on first use.
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
 #include <string>
@@ -41,5 +42,12 @@ NB_MODULE(_native, m) {
   m.def("registrations", &registrations, "FFI target name -> {stage: handler capsule}");
   m.def("pending_error", &jaxoverlap::pending_error,
         "The timeout a kernel of this process reported ('' if none).");
+  m.def(
+      "can_access_peer",
+      [](int a, int b) {
+        int can = 0;
+        return cudaDeviceCanAccessPeer(&can, a, b) == cudaSuccess && can != 0;
+      },
+      "Whether CUDA device `a` can map device `b`'s memory (initialises the CUDA runtime).");
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

@@ -13,22 +13,226 @@ Contract with `jaxoverlap/ops/*` (the only callers):
 ``op`` is one of ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``, ``"matmul_all_reduce"``;
 ``params`` is the primitive's params dict (``axis_name`` as a tuple, ``scatter_dimension`` or
 ``gather_dimension`` where the op has one, ``config``).
+
+What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimension=0`` (rows of
+the flattened ``[..., K]`` input), bf16 or f16, 2..8 GPUs of one process with peer access.
+Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk times ``K`` and times ``N``
+multiples of 128 elements (every GEMM operand 256-byte aligned).
+
+Also here, for the bandwidth benchmark (private-ish API): `tma_reduce_scatter`, the standalone
+TMA reduce-scatter used by the fused kernel's communication side.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+from jax.interpreters import mlir
+
+from jaxoverlap import runtime, topology
+
+GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
+RS_TARGET = "jaxoverlap_rs_v1"
+MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
+DEFAULT_COMM_SMS = 8  # GEMM keeps 124 SMs (DESIGN.md section 3: 8 TMA CTAs push ~350 GB/s)
+DEFAULT_RS_COMM_SMS = 16
+_SUPPORTED = (jnp.bfloat16, jnp.float16)
+
+# backend="auto": (M, K, N, n) of the per-device problem -> chunks for which docs/measurements.md
+# shows the fused op faster than the XLA baseline (jnp.matmul + psum_scatter) measured in the
+# same run. Shapes not listed take the reference path: never slower than XLA by construction.
+MEASURED_WINS: dict[tuple[int, int, int, int], int] = {}
+
+_site_ids = itertools.count(1)
+_stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
 
 
 class FusedUnavailable(Exception):
     """The fused path cannot run for this call; the message says why."""
 
 
+@contextlib.contextmanager
+def _stalled_rank_for_tests(rank: int):
+    """Test-only: ops lowered inside this block make ``rank`` never signal its pushes, so its
+    peers must time out with an error naming it (instead of hanging)."""
+    token = _stall_rank.set(int(rank))
+    try:
+        yield
+    finally:
+        _stall_rank.reset(token)
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def _rows(x_shape):
+    return math.prod(x_shape[:-1])
+
+
+def _aligned(rows_per_chunk, k, n_cols):
+    return (rows_per_chunk * k) % 128 == 0 and (rows_per_chunk * n_cols) % 128 == 0
+
+
+def choose_chunks(m, k, n_cols, requested=None):
+    """Sub-chunks per rank's row block of ``m`` rows: ``requested`` if aligned, else the largest
+    of 4, 2, 1 that divides ``m`` with aligned operands; None when even 1 is unaligned."""
+    options = (requested,) if requested else (4, 2, 1)
+    for c in options:
+        if c <= MAX_CHUNKS and m % c == 0 and _aligned(m // c, k, n_cols):
+            return c
+    return None
+
+
 def unsupported_reason(op, x, w, params, axis_size):
-    del x, w, params, axis_size
-    return f"{op}: the fused GPU kernel is not implemented yet in this version of jaxoverlap"
+    """Trace-time check; see the module docstring."""
+    if op != "matmul_reduce_scatter":
+        return f"{op} has no fused GPU kernel in this version (only matmul_reduce_scatter)"
+    why = runtime.unavailable_reason()
+    if why:
+        return why
+    if x.dtype != w.dtype or not any(x.dtype == np.dtype(t) for t in _SUPPORTED):
+        return f"the fused kernel supports bfloat16 and float16, not {x.dtype}"
+    if params.get("scatter_dimension", 0) != 0:
+        return "the fused kernel scatters dimension 0 only (rows of x[..., K])"
+    n = int(axis_size)
+    if not 2 <= n <= topology.MAX_GROUP:
+        return f"group size {n} is outside 2..{topology.MAX_GROUP}"
+    k, n_cols = x.shape[-1], w.shape[1]
+    m_total = _rows(x.shape)
+    if k % 8 or n_cols % 8:
+        return f"K={k} and N={n_cols} must be multiples of 8"
+    if x.ndim > 1 and x.shape[0] % n:
+        return f"dimension 0 ({x.shape[0]}) is not divisible by the group size {n}"
+    m = m_total // n
+    config = params["config"]
+    chunks = choose_chunks(m, k, n_cols, config.chunks)
+    if chunks is None:
+        return (
+            f"alignment: rows per rank per chunk ({m}/{config.chunks or 1}) times K={k} and "
+            f"times N={n_cols} must be multiples of 128 elements"
+        )
+    comm_sms = config.comm_sms or DEFAULT_COMM_SMS
+    if comm_sms > 64:
+        return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
+    if config.backend == "auto" and (m_total, k, n_cols, n) not in MEASURED_WINS:
+        return (
+            f"backend='auto': no measurement shows the fused kernel faster than XLA for "
+            f"M={m_total} K={k} N={n_cols} over {n} GPUs (see docs/measurements.md)"
+        )
+    return None
+
+
+def _group_table(ctx, axis_name):
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None:
+        raise FusedUnavailable("not lowered inside shard_map (no mesh in the lowering context)")
+    try:
+        table = topology.group_table(mesh, axis_name)
+    except topology.TopologyError as e:
+        raise FusedUnavailable(str(e)) from None
+    if runtime.native() is None:
+        raise FusedUnavailable(runtime.unavailable_reason())
+    why = topology.unfusable_reason(
+        table, process_index=jax.process_index(), can_access_peer=runtime.can_access_peer
+    )
+    if why:
+        raise FusedUnavailable(why)
+    return table
+
+
+def _table_attrs(table, comm_sms, chunks, timeout_s):
+    return dict(
+        site=next(_site_ids),
+        ordinals=table.ordinals,
+        ranks=table.ranks,
+        groups=table.groups.reshape(-1),
+        n=int(table.n),
+        comm_sms=int(comm_sms),
+        chunks=int(chunks),
+        timeout_s=float(timeout_s),
+        stall_rank=int(_stall_rank.get()),
+    )
 
 
 def lower(op, ctx, x, w, params):
-    del ctx, x, w, params
-    raise FusedUnavailable(
-        f"{op}: the fused GPU kernel is not implemented yet in this version of jaxoverlap"
+    """Emit the fused custom call (see the module docstring)."""
+    if op != "matmul_reduce_scatter":
+        raise FusedUnavailable(f"{op} has no fused GPU kernel in this version")
+    x_aval, w_aval = ctx.avals_in
+    table = _group_table(ctx, params["axis_name"])
+    config = params["config"]
+    m = _rows(x_aval.shape) // table.n
+    chunks = choose_chunks(m, x_aval.shape[-1], w_aval.shape[1], config.chunks)
+    if config.backend == "auto":
+        key = (_rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1], table.n)
+        chunks = MEASURED_WINS.get(key, chunks)
+    runtime.register_targets()
+    attrs = _table_attrs(table, config.comm_sms or DEFAULT_COMM_SMS, chunks, config.timeout_s)
+    return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, **attrs)
+
+
+# ----------------------------------------------------------------------------- standalone RS
+
+tma_reduce_scatter_p = core.Primitive("jaxoverlap_tma_reduce_scatter")
+
+
+def tma_reduce_scatter(
+    x, axis_name, *, scatter_dimension=0, comm_sms=DEFAULT_RS_COMM_SMS, chunks=None, timeout_s=5.0
+):
+    """``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`` with jaxoverlap's TMA
+    kernel (private-ish; for the bandwidth benchmark). Call inside ``jax.shard_map`` on GPUs.
+
+    Half of ``comm_sms`` CTAs push each rank's blocks to their owners over NVLink with TMA, the
+    other half sum the arrived chunks in rank order (bitwise repeatable). bf16/f16 only; the
+    block of each rank must split into ``chunks`` multiples of 16 bytes. Off CUDA (or for other
+    dtypes) this is plain ``lax.psum_scatter``.
+    """
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if scatter_dimension != 0:
+        raise ValueError("tma_reduce_scatter: only scatter_dimension=0 is supported")
+    missing = tuple(a for a in names if a not in core.typeof(x).mat.varying)
+    if missing:
+        x = core.pvary(x, missing)
+    return tma_reduce_scatter_p.bind(
+        x, axis_name=names, comm_sms=int(comm_sms), chunks=chunks, timeout_s=float(timeout_s)
     )
+
+
+def _rs_abstract(x, *, axis_name, comm_sms, chunks, timeout_s):
+    del comm_sms, chunks, timeout_s
+    n = math.prod(core.get_axis_env().axis_size(a) for a in axis_name)
+    return x.update(shape=(x.shape[0] // n, *x.shape[1:]))
+
+
+def _rs_reference(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
+    del comm_sms, chunks, timeout_s
+    fn = lambda v: lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=True)  # noqa: E731
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
+
+
+def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
+    (aval,) = ctx.avals_in
+    if not any(aval.dtype == np.dtype(t) for t in _SUPPORTED):
+        return _rs_reference(
+            ctx, x, axis_name=axis_name, comm_sms=comm_sms, chunks=chunks, timeout_s=timeout_s
+        )
+    table = _group_table(ctx, axis_name)
+    block_bytes = aval.size * aval.dtype.itemsize // table.n
+    if chunks is None:
+        chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
+    runtime.register_targets()
+    attrs = _table_attrs(table, comm_sms, chunks, timeout_s)
+    return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, **attrs)
+
+
+tma_reduce_scatter_p.def_abstract_eval(_rs_abstract)
+mlir.register_lowering(tma_reduce_scatter_p, _rs_reference)
+mlir.register_lowering(tma_reduce_scatter_p, _rs_cuda, platform="cuda")

@@ -1,0 +1,106 @@
+"""Loading the native extension and registering its FFI targets, lazily.
+
+Nothing here runs at ``import jaxoverlap``: the extension is imported the first time the fused
+path is considered (trace or lowering time), and its FFI targets are registered with XLA the first
+time a fused op is lowered. Importing the extension initialises no CUDA state; only its handlers
+(and `can_access_peer`) touch CUDA. Without a built extension, or without the cuBLASLt library,
+`unavailable_reason` says why and every op takes the reference path.
+
+Multi-process meshes (one process per GPU) are not supported yet: the symmetric workspace is
+mapped with peer access inside one process; exchanging CUDA IPC handles through the
+``jax.distributed`` key-value store is the planned next step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import threading
+
+_lock = threading.Lock()
+_native = None
+_load_error: str | None = None
+_registered = False
+
+
+def _preload_cublaslt():
+    """Make ``libcublasLt.so.13`` resolvable for the extension (it records no rpath to it).
+
+    JAX's CUDA plugin usually has it loaded already; otherwise take it from the ``nvidia-cublas``
+    wheel (``nvidia/cu13/lib``), else from the system library path.
+    """
+    candidates = []
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates.append(os.path.join(root, "cu13", "lib", "libcublasLt.so.13"))
+    except ImportError:
+        pass
+    candidates.append("libcublasLt.so.13")
+    errors = []
+    for path in candidates:
+        if os.sep in path and not os.path.exists(path):
+            continue
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return None
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    return "cannot load libcublasLt.so.13 (pip install nvidia-cublas): " + "; ".join(errors)
+
+
+def native():
+    """The ``jaxoverlap._native`` module, or None (see `unavailable_reason`)."""
+    global _native, _load_error
+    with _lock:
+        if _native is None and _load_error is None:
+            err = _preload_cublaslt()
+            try:
+                _native = importlib.import_module("jaxoverlap._native")
+            except ImportError as e:
+                _load_error = (
+                    "the native extension jaxoverlap._native is not built or cannot be loaded "
+                    f"({e}){'; ' + err if err else ''}. Build it with a CUDA toolkit: "
+                    "pip install -e . (see README)"
+                )
+    return _native
+
+
+def unavailable_reason():
+    """None when the extension is loaded, else a sentence saying why it is not."""
+    native()
+    return _load_error
+
+
+def register_targets():
+    """Register every FFI target of the extension with XLA (CUDA platform), once."""
+    global _registered
+    mod = native()
+    if mod is None:
+        raise RuntimeError(_load_error)
+    with _lock:
+        if _registered:
+            return
+        import jax
+
+        for name, stages in mod.registrations().items():
+            jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+        _registered = True
+
+
+def can_access_peer(a: int, b: int) -> bool:
+    mod = native()
+    return bool(mod is not None and mod.can_access_peer(int(a), int(b)))
+
+
+def pending_error() -> str:
+    """The timeout a jaxoverlap kernel of this process reported ('' if none).
+
+    Kernels that time out record op, rank, peer and chunk in host memory before they trap; the
+    next fused call raises with it, and this reads it directly (e.g. after XLA reported the trap
+    as a generic CUDA error).
+    """
+    mod = _native
+    return mod.pending_error() if mod is not None else ""
