@@ -34,7 +34,8 @@ def overlap(fn=None, *, config: Config | None = None):
     * ``lax.psum(x @ w, axes)`` -> ``matmul_all_reduce(x, w, axes)``
 
     where ``x @ w`` is any ``jnp.matmul``/``jnp.dot``/``@``/``einsum``/``lax.dot_general`` that
-    contracts the last dimension of ``x [..., K]`` with the first of a 2-D ``w [K, N]``, in a
+    contracts the last dimension of ``x [..., K]`` with the first of a 2-D ``w [K, N]`` (or the
+    last of a ``w [N, K]``, which the op then receives transposed), in a
     float dtype, at default precision, with no ``preferred_element_type`` other than the operand
     dtype, and whose intermediate result is used by nothing else. Anything else is left exactly as
     written; `explain` lists every candidate with the reason it was or was not replaced.

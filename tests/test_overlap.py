@@ -161,6 +161,22 @@ def test_matmul_all_reduce_pattern():
     check_rewrite(f, args, ["matmul_all_reduce"])
 
 
+def test_transposed_weight():
+    """``einsum("mk,nk->mn")`` with ``w`` stored ``[N, K]`` (PyTorch layout): the op gets
+    ``w.T``. (``x @ w.T`` is already a transpose followed by a plain matmul.)"""
+    mesh = mesh_2d()
+    x, w = inputs(mesh, [((8, 64), P("dp", "tp")), ((24, 64), P(None, "tp"))])
+
+    def body(x, w):
+        return lax.psum_scatter(jnp.einsum("mk,nk->mn", x, w), "tp", scatter_dimension=1,
+                                tiled=True)  # fmt: skip
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P(None, "tp")),
+                      out_specs=P("dp", "tp"))  # fmt: skip
+    check_rewrite(f, (x, w), ["matmul_reduce_scatter"])
+    assert "@ f32[24,16]{V:(dp,tp)}.T ->" in explain(f, x, w)[0].detail
+
+
 def test_all_patterns_in_one_jitted_mlp_and_explain(capsys):
     """A Megatron sequence-parallel MLP: AG -> gelu -> RS, plus an all-reduced head."""
     mesh = mesh_2d()
@@ -236,9 +252,9 @@ NEGATIVE = {
         lambda x, w: lax.psum(x @ w, "tp", axis_index_groups=[[0, 1], [2, 3]]),
         ROW, P("tp", None), "axis_index_groups",
     ),
-    "transposed_weight": (
-        lambda x, w: _rs(jnp.einsum("mk,nk->mn", x, w.T)),
-        ROW, P("tp", None), "last dimension",
+    "weight_rank_3": (
+        lambda x, w: _rs(jnp.einsum("mk,knp->mnp", x, w.reshape(w.shape[0], 4, 2))),
+        ROW, P("tp", None, None), "rank 3",
     ),
     "x_contracted_on_first_dim": (
         lambda x, w: _rs(jnp.einsum("km,kn->mn", x.T, w)),

@@ -6,6 +6,10 @@ A *candidate* is a matmul (``dot_general``) directly connected to a collective i
 * ``all_gather -> dot_general``      (gathered value is ``x``)  -> ``all_gather_matmul``
 * ``dot_general -> psum``            (``lax.psum``)             -> ``matmul_all_reduce``
 
+"Matmul" means a ``dot_general`` contracting the last dimension of ``x [..., K]`` with the first
+of a 2-D ``w [K, N]``, or with the last of ``w [N, K]`` (``einsum("mk,nk->mn")``, the layout of
+PyTorch-style weights and of backward passes; the op then gets ``w.T``).
+
 A candidate is replaced only when the op computes exactly what the pair computes: the same
 operands, the same collective over the same shard_map axes, the same output type. Every rule
 below that says no names its reason; `Candidate` carries it to `jaxoverlap.explain`.
@@ -56,12 +60,13 @@ class Match:
     first: int  # index of the earlier equation of the pair
     last: int  # index of the later one; the op is spliced in here
     x: core.Atom
-    w: core.Atom
+    w: core.Atom  # as the matmul takes it: [K, N], or [N, K] when transpose_w
     out: core.Var  # the pair's result, which the op's result replaces
     kwargs: dict
     detail: str
     location: str
     reason: str | None = None
+    transpose_w: bool = False  # the matmul is x @ w.T: the op gets jnp.transpose(w)
 
 
 def _is_float(dtype) -> bool:
@@ -84,11 +89,8 @@ def matmul_problem(eqn) -> str | None:
         return "the matmul has batch dimensions (the ops take x [..., K] and a single w [K, N])"
     if w.ndim != 2:
         return f"the weight operand has rank {w.ndim}; the ops take w as [K, N]"
-    if tuple(rc) != (0,):
-        return (
-            "the weight is contracted on its last dimension (x @ w.T); the ops take w as [K, N] "
-            "(store the weight transposed to use them)"
-        )
+    if tuple(rc) not in ((0,), (1,)):
+        return f"the weight is contracted on dimensions {tuple(rc)}"
     if tuple(lc) != (x.ndim - 1,):
         return f"x is contracted on dimension {tuple(lc)}, not on its last one (x must be [..., K])"
     if x.dtype != w.dtype:
@@ -109,6 +111,12 @@ def matmul_problem(eqn) -> str | None:
     if eqn.params.get("out_sharding") is not None:
         return "the matmul carries an explicit out_sharding"
     return None
+
+
+def _transposed(dot) -> bool:
+    """``x @ w.T``: the weight is stored ``[N, K]`` and contracted on its last dimension."""
+    (_, rc), _ = dot.params["dimension_numbers"]
+    return dot.invars[1].aval.ndim == 2 and tuple(rc) == (1,)
 
 
 def collective_problem(eqn, manual_axes) -> str | None:
@@ -183,10 +191,11 @@ def _match_reduction(jaxpr, i, producer, uses, manual_axes) -> Match | None:
     else:
         op = "matmul_all_reduce"
         kwargs = dict(axis_name=tuple(coll.params["axes"]))
+    t = _transposed(dot)
     m = Match(
         op, j, i, x, w, coll.outvars[0], kwargs,
-        detail=f"{_short(x)} @ {_short(w)} -> {_collective_desc(coll)}",
-        location=_where(coll),
+        detail=f"{_short(x)} @ {_short(w)}{'.T' if t else ''} -> {_collective_desc(coll)}",
+        location=_where(coll), transpose_w=t,
     )  # fmt: skip
     m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
     if m.reason is None and uses[src] != 1:
@@ -205,12 +214,14 @@ def _match_all_gather(jaxpr, i, uses, manual_axes) -> Match | None:
         return None
     j, dot = consumers[0]
     x, w = dot.invars
+    t = _transposed(dot)
     m = Match(
         "all_gather_matmul", i, j, coll.invars[0], w, dot.outvars[0],
         dict(axis_name=tuple(coll.params["axis_name"]),
              gather_dimension=coll.params["all_gather_dimension"]),
-        detail=f"{_collective_desc(coll)} of {_short(coll.invars[0])} -> @ {_short(w)}",
-        location=_where(dot),
+        detail=f"{_collective_desc(coll)} of {_short(coll.invars[0])} -> @ {_short(w)}"
+        f"{'.T' if t else ''}",
+        location=_where(dot), transpose_w=t,
     )  # fmt: skip
     if x is not g:
         m.reason = "the gathered value is the matmul's weight operand (the ops gather x)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import jax.numpy as jnp
 from jax._src import api_util, core
 from jax._src import config as jax_config
 from jax._src import linear_util as lu
@@ -162,6 +163,9 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn) -> list[core.JaxprEqn]:
     fn = _op_fn(m.op)
 
     def call(x, w):
+        # x @ w.T: XLA fuses the transpose into the matmul on the reference path; a fused GEMM
+        # that reads w as [N, K] can take it without a copy.
+        w = jnp.transpose(w) if m.transpose_w else w
         return [fn(x, w, config=config, **m.kwargs)]
 
     in_avals = [m.x.aval, m.w.aval]
