@@ -1,0 +1,221 @@
+"""The fused GEMM + reduce-scatter on 2 GPUs against XLA's matmul + psum_scatter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap import Config, fused
+
+pytestmark = pytest.mark.gpu
+
+FUSED = Config(backend="fused")
+XLA = Config(backend="xla")
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}  # relative to the result's max magnitude
+
+
+def _mesh(gpus, order=(0, 1), shape=(2,), names=("tp",)):
+    return Mesh(np.array([gpus[i] for i in order]).reshape(shape), names)
+
+
+def _fn(mesh, config, x_spec=P(None, "tp"), out_spec=P("tp", None), axis="tp", **kw):
+    def body(x, w):
+        return jaxoverlap.matmul_reduce_scatter(x, w, axis, config=config, **kw)
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P("tp", None)), out_specs=out_spec)
+    )
+
+
+def _inputs(mesh, m, k_local, n, dtype, seed=0, x_spec=P(None, "tp"), batch=()):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    k = 2 * k_local
+    x = jax.random.normal(kx, (*batch, m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    spec = P(*([None] * len(batch)), *x_spec) if batch else x_spec
+    return (
+        jax.device_put(x, NamedSharding(mesh, spec)),
+        jax.device_put(w, NamedSharding(mesh, P("tp", None))),
+    )
+
+
+def _close(got, want, dtype):
+    got = np.asarray(got.astype(jnp.float32))
+    want = np.asarray(want.astype(jnp.float32))
+    scale = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max() / scale
+    assert err < TOL[dtype], f"max error {err:.3g} of max |ref| {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "m,k_local,n",
+    [(1024, 512, 768), (1536, 384, 640), (768, 1152, 1280), (4096, 4096, 4096), (2048, 8192, 8192)],
+)
+def test_values(gpus, m, k_local, n, dtype):
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, m, k_local, n, dtype)
+    got = _fn(mesh, FUSED)(x, w)
+    _close(got, _fn(mesh, XLA)(x, w), dtype)
+
+
+def test_batch_dims_and_chunk_counts(gpus):
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, 384, 512, 512, jnp.bfloat16, batch=(4,))
+    ref = _fn(mesh, XLA, x_spec=P(None, "tp"))
+    for chunks in (1, 2, 4):
+        f = _fn(mesh, Config(backend="fused", chunks=chunks, comm_sms=16))
+        _close(f(x, w), ref(x, w), jnp.bfloat16)
+
+
+def test_permuted_devices_and_2d_mesh(gpus):
+    # tp over both GPUs in reversed order, inside a (dp=1, tp=2) mesh
+    mesh = _mesh(gpus, order=(1, 0), shape=(1, 2), names=("dp", "tp"))
+    x, w = _inputs(mesh, 1024, 256, 512, jnp.bfloat16, x_spec=P("dp", "tp"))
+    spec = dict(x_spec=P("dp", "tp"), out_spec=P(("dp", "tp"), None))
+    _close(_fn(mesh, FUSED, **spec)(x, w), _fn(mesh, XLA, **spec)(x, w), jnp.bfloat16)
+
+
+def test_bitwise_deterministic_and_1000_calls(gpus):
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, 2048, 1024, 1024, jnp.bfloat16, seed=3)
+    f = _fn(mesh, FUSED)
+    first = f(x, w)
+    _close(first, _fn(mesh, XLA)(x, w), jnp.bfloat16)
+    outs = [f(x, w) for _ in range(1000)]
+    same = jax.jit(lambda a, bs: jnp.stack([jnp.array_equal(a, b) for b in bs]))
+    for i in range(0, 1000, 100):
+        ok = np.asarray(same(first, outs[i : i + 100]))
+        assert ok.all(), f"calls {i + np.flatnonzero(~ok)} differ bitwise from the first call"
+
+
+def test_inside_scan_and_fori_loop(gpus):
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, 1024, 512, 1024, jnp.bfloat16, seed=5)
+
+    def looped(config):
+        def body(x, w):
+            def step(i, acc):
+                xi = x * (1.0 + i.astype(x.dtype) / 8)
+                y = jaxoverlap.matmul_reduce_scatter(xi, w, "tp", config=config)
+                return acc + y.astype(jnp.float32)
+
+            acc = lax.fori_loop(0, 6, step, jnp.zeros((512, 1024), jnp.float32))
+
+            def sstep(c, xs):
+                return c, jaxoverlap.matmul_reduce_scatter(xs, w, "tp", config=config)
+
+            _, ys = lax.scan(sstep, 0, jnp.stack([x, -x, 2 * x]))
+            return acc, ys
+
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(None, "tp"), P("tp", None)),
+                out_specs=(P("tp", None), P(None, "tp", None)),
+            )
+        )
+
+    (a1, s1), (a2, s2) = looped(FUSED)(x, w), looped(XLA)(x, w)
+    _close(a1, a2, jnp.bfloat16)
+    _close(s1, s2, jnp.bfloat16)
+
+
+def test_two_calls_in_one_program_and_hlo(gpus):
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, 1024, 512, 768, jnp.bfloat16, seed=7)
+
+    def body(x, w):
+        y1 = jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=FUSED)
+        y2 = jaxoverlap.matmul_reduce_scatter(2 * x, w, "tp", config=FUSED)
+        return y1, y2
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=(P("tp", None), P("tp", None)),
+        )
+    )
+    hlo = f.lower(x, w).compile().as_text()
+    assert hlo.count(f'custom_call_target="{fused.GEMM_RS_TARGET}"') == 2
+    assert "reduce-scatter" not in hlo
+    y1, y2 = f(x, w)
+    ref = _fn(mesh, XLA)
+    _close(y1, ref(x, w), jnp.bfloat16)
+    _close(y2, ref(2 * x, w), jnp.bfloat16)
+
+
+def test_tma_reduce_scatter(gpus):
+    mesh = _mesh(gpus)
+    y = jax.device_put(
+        jax.random.normal(jax.random.key(9), (4096, 2 * 1536), jnp.bfloat16),
+        NamedSharding(mesh, P(None, "tp")),
+    )
+
+    def run(fn):
+        return jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("tp", None))
+        )(y)
+
+    got = run(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16))
+    want = run(lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True))
+    _close(got, want, jnp.bfloat16)
+    again = run(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16))
+    assert np.array_equal(np.asarray(got), np.asarray(again))
+
+
+_STALL_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxoverlap
+    from jaxoverlap import fused, runtime
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    cfg = jaxoverlap.Config(backend="fused", timeout_s=1.0)
+    f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (1024, 512), jnp.bfloat16)
+    with fused._stalled_rank_for_tests(1):
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                  out_specs=P("tp", None)))
+        g.lower(x, w)  # lowered with the stall knob
+        try:
+            jax.block_until_ready(g(x, w))
+            print("NO ERROR")
+        except Exception as e:
+            print("RAISED", type(e).__name__, str(e)[:300])
+    print("RECORD", runtime.pending_error())
+    sys.stdout.flush()
+    """
+)
+
+
+def test_stalled_peer_errors_instead_of_hanging(gpus):
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-c", _STALL_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    out = p.stdout + p.stderr
+    assert time.time() - t0 < 120
+    assert "NO ERROR" not in out, out[-3000:]
+    assert "RAISED" in out or p.returncode != 0, out[-3000:]
+    assert "peer rank 1" in out and "timed out" in out, out[-3000:]
