@@ -213,4 +213,13 @@ def matmul(x, w, *, config: Config | None = None):
             f"jaxoverlap.matmul: x has dtype {jnp.result_type(x)} but w has "
             f"{jnp.result_type(w)}; cast w with w.astype(x.dtype)."
         )
+    for name, a in (("x", x), ("w", w)):
+        spec = getattr(jax.typeof(a).sharding, "spec", ())
+        if any(e is not None for e in spec):
+            raise ValueError(
+                f"jaxoverlap.matmul: {name} has an Explicit sharding in its type ({spec}); "
+                "jaxoverlap.matmul relies on sharding propagation (mesh axes of type "
+                "AxisType.Auto). With Explicit axes, call the jaxoverlap ops inside jax.shard_map "
+                "(or use jaxoverlap.overlap)."
+            )
     return _matmul(x, w, config)
