@@ -414,6 +414,22 @@ def test_overlap_of_grad():
     assert ("matmul_all_reduce", True) in [(c.op, c.rewritten) for c in found]
 
 
+def test_overlap_of_grad_sequence_parallel():
+    """Rewriting an already-differentiated function: the forward reduce-scatter and the
+    backward ``ct @ w1.T -> psum_scatter`` are replaced; the forward all_gather is saved for the
+    backward pass (so used elsewhere), which is why overlap belongs before grad."""
+    _, layer, mapped, args = sp_layers()
+    g = jax.grad(loss_of(mapped(lambda x, w1, w2: layer(x, w1[0], w2[0]))), (0, 1, 2))
+    found = {(c.op, c.rewritten, c.reason.split(" (")[0]) for c in explain(g, *args)}
+    assert found == {
+        ("matmul_reduce_scatter", True, ""),
+        ("all_gather_matmul", False, "the gathered value is also used elsewhere"),
+        ("all_gather_matmul", False, "x is contracted on dimension"),
+    }, found
+    assert prims(jax.make_jaxpr(overlap(g))(*args))["matmul_reduce_scatter"] == 2
+    assert_tree_close(jax.jit(overlap(g))(*args), jax.jit(g)(*args), TOL[jnp.float32])
+
+
 def test_explain_accepts_shape_dtype_structs_and_kwargs():
     f, (x, w) = ar_case()
     sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in (x, w)]
