@@ -56,12 +56,21 @@ def overlap(fn=None, *, config: Config | None = None):
     if not callable(fn):
         raise TypeError(f"jaxoverlap.overlap: expected a function, got {fn!r}.")
 
-    @functools.wraps(fn)
-    def overlapped(*args, **kwargs):
+    def rewritten(*args, **kwargs):
         closed, out_tree, flat_args = _trace(fn, args, kwargs)
         closed, _ = rewrite_closed_jaxpr(closed, config)
         out = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat_args)
         return jax.tree.unflatten(out_tree, out)
+
+    # Called eagerly, go through jit: the rewritten jaxpr is new on every trace, so its inner
+    # jit calls would otherwise be recompiled on every call. (fn is traced either way.)
+    cached = jax.jit(rewritten)
+
+    @functools.wraps(fn)
+    def overlapped(*args, **kwargs):
+        if core.trace_state_clean():
+            return cached(*args, **kwargs)
+        return rewritten(*args, **kwargs)
 
     overlapped._jaxoverlap_wrapped = (fn, config)
     return overlapped

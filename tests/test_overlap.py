@@ -435,3 +435,16 @@ def test_explain_accepts_shape_dtype_structs_and_kwargs():
     sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in (x, w)]
     assert [c.rewritten for c in explain(lambda x, *, w: f(x, w), sds[0], w=sds[1])] == [True]
     np.testing.assert_array_equal(overlap(lambda x, *, w: f(x, w))(x, w=w), f(x, w))
+
+
+def test_eager_calls_trace_once():
+    f, args = ar_case()
+    traces = []
+
+    def g(x, w):
+        traces.append(None)
+        return f(x, w)
+
+    new = overlap(g)
+    np.testing.assert_array_equal(new(*args), new(*args))
+    assert len(traces) == 1
