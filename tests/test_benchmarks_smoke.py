@@ -1,0 +1,78 @@
+"""The benchmark scripts run end to end on 2 fake CPU devices and write the BENCHMARKS.md schema.
+
+`--smoke-stand-in` times the reference composition in the jaxoverlap / TMA slots so that the
+reporting paths (ratios, geometric means, best-by-SM-count) run; the numbers mean nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--cpu-smoke", "--smoke-stand-in", "--samples", "2", "--target-ms", "1"]
+
+
+def run(script, out, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *FAST, "--out", str(out)]
+    r = subprocess.run(
+        [*cmd, *extra], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def load(out, stem):
+    with open(os.path.join(out, stem + ".json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("windowed", ["off", "on"])
+def test_matmul_reduce_scatter_smoke(tmp_path, windowed):
+    stdout = run(
+        "matmul_reduce_scatter.py",
+        tmp_path,
+        "--windowed",
+        windowed,
+        "--shapes",
+        "64x32x48",
+        "--name",
+        "mrs",
+    )
+    assert "geomean speedup of jaxoverlap over xla" in stdout
+    doc = load(tmp_path, "mrs")
+    assert {"machine", "date", "jax_version", "rows"} <= doc.keys()
+    (row,) = doc["rows"]
+    assert (row["M"], row["K_local"], row["N"], row["tp"], row["dtype"]) == (
+        64,
+        32,
+        48,
+        2,
+        "bfloat16",
+    )
+    assert set(row["ms"]) == {"gemm_only", "xla", "xla_windowed", "rs_only", "jaxoverlap"}
+    measured = {"gemm_only", "xla", "rs_only", "jaxoverlap"} | (
+        {"xla_windowed"} if windowed == "on" else set()
+    )
+    for m, v in row["ms"].items():
+        assert (v is not None and v > 0) if m in measured else v is None, (m, v)
+    assert all(c["ok"] for c in row["check"].values())
+    assert row["auto_picks"] == "xla" and row["auto_ms"] > 0  # no fused kernel on CPU
+    assert doc["geomean"]["jaxoverlap_over_xla"] > 0
+
+
+def test_rs_bandwidth_smoke(tmp_path):
+    stdout = run(
+        "rs_bandwidth.py", tmp_path, "--sizes-mb", "0.0625", "--sms", "4,16", "--name", "rsbw"
+    )
+    assert "TMA with <= 16 SMs" in stdout
+    doc = load(tmp_path, "rsbw")
+    assert {"machine", "date", "jax_version", "rows"} <= doc.keys()
+    (row,) = doc["rows"]
+    assert row["nccl"]["busbw_GBs"] > 0
+    assert [c["comm_sms"] for c in row["tma"]] == [4, 16]
+    assert all(c["busbw_GBs"] > 0 and c["check"]["ok"] for c in row["tma"])
+    assert doc["worst_best_tma_busbw_GBs"] > 0

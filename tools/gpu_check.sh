@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine (2x H200): checks the carried native extension, runs the
+# GPU tests, both benchmarks and the CPU test suite, and prints the summary table LAST.
+#
+#   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
+#
+# --cpu-smoke runs the benchmarks on 2 fake CPU devices (to try this script without GPUs).
+#
+# Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
+# machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
+# under `timeout`, and the whole script stays within GPU_CHECK_BUDGET_S seconds (default 530):
+# a step that would not fit is skipped, never left to hang. Exit status: 0 if every step passed.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LOG=${OUT:-$PWD/gpu_logs}
+RESULTS="$LOG/results"
+BUDGET=${GPU_CHECK_BUDGET_S:-530}
+mkdir -p "$RESULTS"
+
+BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1
+for a in "$@"; do
+  case $a in
+    --quick) BENCH_FLAGS+=(--quick) ;;
+    --cpu-smoke) BENCH_FLAGS+=(--cpu-smoke) ;;
+    --skip-tests) TESTS=0 ;;
+    --skip-bench) BENCH=0 ;;
+    --skip-cpu-tests) CPU_TESTS=0 ;;
+    -h | --help) sed -n 2,12p "$0"; exit 0 ;;
+    *) echo "unknown flag: $a (see --help)"; exit 2 ;;
+  esac
+done
+
+START=$SECONDS
+FAILED=0
+SUMMARY=()
+
+# step NAME CAP_S CMD... : run CMD under timeout (the lesser of CAP_S and the budget left),
+# log to $LOG/NAME.log, record one summary line; show the log's tail when the step fails.
+step() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET - (SECONDS - START) - 5))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 15)); then
+    SUMMARY+=("$(printf '%-12s %-16s %5s  %s' SKIPPED "$name" - "budget of ${BUDGET}s spent")")
+    FAILED=1
+    return
+  fi
+  local log="$LOG/$name.log" t0=$SECONDS rc status
+  echo "== $name (limit ${limit}s): $*"
+  timeout -k 5 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=TIMEOUT ;;
+    *) status="FAIL(rc=$rc)" ;;
+  esac
+  if [[ $status != ok ]]; then
+    FAILED=1
+    echo "-- $status; last lines of $log:"
+    tail -n 30 "$log"
+  fi
+  # pytest's last line ("3 passed, 1 skipped in 9.1s"), a benchmark's headline, a check's
+  # verdict; else the log's last line
+  local detail
+  detail=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)|^geomean|^TMA with|^FAIL|check: OK' \
+    "$log" | tail -n 1)
+  [[ -z $detail ]] && detail=$(grep -v '^\s*$' "$log" | tail -n 1)
+  SUMMARY+=("$(printf '%-12s %-16s %4ss  %.110s' "$status" "$name" $((SECONDS - t0)) "$detail")")
+  echo "   $status in $((SECONDS - t0))s"
+}
+
+step env 30 bash -c "date -u; nvidia-smi; nvidia-smi topo -m; $PY -c 'import jax, jaxlib; \
+print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__); print(jax.devices())'"
+step native 90 "$PY" tools/check_native.py
+if ((TESTS)); then
+  step gpu-tests 170 env JAXOVERLAP_REQUIRE_GPU=1 "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider
+fi
+if ((BENCH)); then
+  step bench-gemm-rs 150 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
+    --windowed-timeout 80 "${BENCH_FLAGS[@]}"
+  step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
+fi
+if ((CPU_TESTS)); then
+  # The CI suite on 8 fake CPU devices (JAX_PLATFORMS=cpu, as in CI): it expects CPU devices.
+  step cpu-tests 240 env JAX_PLATFORMS=cpu "$PY" -m pytest tests -x -q -p no:cacheprovider \
+    --ignore=tests/gpu
+fi
+
+echo
+echo "================================ SUMMARY ($((SECONDS - START))s; logs in $LOG)"
+printf '%-12s %-16s %5s  %s\n' status step time detail
+printf '%s\n' "${SUMMARY[@]}"
+for t in "$RESULTS"/*.txt; do
+  [[ -f $t ]] && { echo; cat "$t"; }
+done
+echo
+if ((FAILED)); then echo "GPU CHECK: FAILED"; else echo "GPU CHECK: PASSED"; fi
+exit $FAILED
