@@ -205,3 +205,17 @@ def test_explicit_axes_are_refused_with_advice():
     w = jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("tp")))
     with pytest.raises(ValueError, match="shard_map"):
         jax.jit(matmul)(x, w)
+
+
+def test_inside_a_fully_manual_shard_map_is_a_local_matmul():
+    mesh = mesh_of("1d")
+    x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("tp")))
+    f = jax.shard_map(lambda x, w: jax.lax.psum(matmul(x, w), "tp"), mesh=mesh,
+                      in_specs=(P(None, "tp"), P("tp")), out_specs=P())  # fmt: skip
+    np.testing.assert_allclose(jax.jit(f)(x, w), np.asarray(x) @ np.asarray(w), **TOL)
+
+
+def test_vmap_is_not_supported():
+    with pytest.raises(NotImplementedError, match="custom_partitioning"):
+        jax.vmap(matmul, in_axes=(0, None))(jnp.ones((2, 4, 8)), jnp.ones((8, 2)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core, source_info_util
 
@@ -70,7 +71,7 @@ class Match:
 
 
 def _is_float(dtype) -> bool:
-    return np.issubdtype(dtype, np.floating) or str(dtype) == "bfloat16"
+    return jnp.issubdtype(dtype, jnp.floating)  # includes bfloat16 and float8 (ml_dtypes)
 
 
 def _short(atom) -> str:
