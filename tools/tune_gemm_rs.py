@@ -66,7 +66,7 @@ def gemm_rs_rows(mesh, tp, variants, shapes):
             jax.random.normal(kx, (m, k), jnp.bfloat16), NamedSharding(mesh, P(None, "tp"))
         )
         w = jax.device_put(
-            jax.random.normal(kw, (k, n), jnp.bfloat16) * (1 / np.sqrt(k)),
+            (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16),
             NamedSharding(mesh, P("tp", None)),
         )
         specs = ((P(None, "tp"), P("tp", None)), P("tp", None))

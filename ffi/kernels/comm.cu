@@ -83,14 +83,30 @@ __device__ __forceinline__ void add8(float* acc, const uint4& v) {
   for (int i = 0; i < 8; ++i) acc[i] += static_cast<float>(h[i]);
 }
 
+// Receiver CTA: per chunk, wait for every peer's arrival, then for each of its pieces TMA-load
+// the n contributions (own block + staged peer blocks) into smem, sum them in rank order in f32,
+// and TMA-store the sum. Two smem stages, so loads of piece i+1 overlap the sum of piece i; bulk
+// copies keep enough bytes in flight per SM that a few CTAs keep up with NVLink.
 template <typename T>
-__device__ void receiver(const CommArgs& a, int rb) {
+__device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) {
   const Peers& p = a.peers;
   const int n = p.n, r = p.rank;
+  const int nsrc = n;  // own block (if any) + n - 1 peers, each in its rank position
   Flags* local = p.flags[r];
   const uint32_t e = call_target(p);
   const int64_t chunk_bytes = a.block_bytes / a.chunks;
-  const int64_t vecs = chunk_bytes / 16;
+  const uint32_t piece = recv_piece_bytes(n);
+  const int64_t pieces = (chunk_bytes + piece - 1) / piece;
+  const int64_t mine = pieces > rb ? (pieces - 1 - rb) / a.receivers + 1 : 0;
+  // smem: [stage][source] inputs, then [stage] outputs
+  auto in_buf = [&](int st, int s) { return smem + ((int64_t)st * nsrc + s) * piece; };
+  auto out_buf = [&](int st) { return smem + ((int64_t)kRecvStages * nsrc + st) * piece; };
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kRecvStages; ++st) mbar_init(&mbar[st], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t it = 0;
   for (int k = 0; k < a.chunks; ++k) {
     for (int idx = threadIdx.x; idx < n * a.senders; idx += blockDim.x) {
       const int s = idx / a.senders, q = idx % a.senders;
@@ -99,31 +115,59 @@ __device__ void receiver(const CommArgs& a, int rb) {
                   {a.op, kWaitArrival, s, k});
     }
     __syncthreads();
-    const uint4* srcs[kMaxRanks];
+    const char* srcs[kMaxRanks];
     for (int s = 0; s < n; ++s) {
       const char* base = s == r ? a.own
                                 : p.stage[r] + (int64_t)stage_slot(s, r, n) * a.block_bytes;
-      srcs[s] = base ? reinterpret_cast<const uint4*>(base + k * chunk_bytes) : nullptr;
+      srcs[s] = base ? base + k * chunk_bytes : nullptr;
     }
-    uint4* dst = reinterpret_cast<uint4*>(a.out + k * chunk_bytes);
-    for (int64_t v = (int64_t)rb * blockDim.x + threadIdx.x; v < vecs;
-         v += (int64_t)a.receivers * blockDim.x) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    char* dst = a.out + k * chunk_bytes;
+    auto off = [&](int64_t i) { return (rb + i * a.receivers) * (int64_t)piece; };
+    auto len = [&](int64_t i) {
+      return (uint32_t)(chunk_bytes - off(i) < piece ? chunk_bytes - off(i) : piece);
+    };
+    auto load = [&](int64_t i) {  // thread 0 only
+      const int st = (it + i) % kRecvStages;
+      uint32_t total = 0;
+      for (int s = 0; s < n; ++s) total += srcs[s] ? len(i) : 0;
+      mbar_expect_tx(&mbar[st], total);
       for (int s = 0; s < n; ++s)
-        if (srcs[s]) add8<T>(acc, srcs[s][v]);
-      uint4 o;
-      T* h = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) h[i] = static_cast<T>(acc[i]);
-      dst[v] = o;
+        if (srcs[s]) tma_load(in_buf(st, s), srcs[s] + off(i), len(i), &mbar[st]);
+    };
+    if (threadIdx.x == 0) {
+      fence_proxy_async();  // peers' staged data was acquired by generic loads of the flags
+      for (int64_t i = 0; i < mine && i < kRecvStages; ++i) load(i);
     }
-    if (a.signal_reduced) {
+    for (int64_t i = 0; i < mine; ++i) {
+      const int st = (it + i) % kRecvStages;
+      if (threadIdx.x == 0) tma_wait_read<kRecvStages - 1>();  // out_buf(st) free again
+      mbar_wait(&mbar[st], ((it + i) / kRecvStages) & 1u);
+      __syncthreads();
+      const int vecs = len(i) / 16;
+      for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int s = 0; s < n; ++s)
+          if (srcs[s]) add8<T>(acc, reinterpret_cast<const uint4*>(in_buf(st, s))[v]);
+        uint4 o;
+        T* h = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = static_cast<T>(acc[j]);
+        reinterpret_cast<uint4*>(out_buf(st))[v] = o;
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA store
       __syncthreads();
       if (threadIdx.x == 0) {
-        __threadfence();
-        st_release_gpu(&local->reduced[k][rb], e);
+        tma_store(dst + off(i), out_buf(st), len(i));
+        tma_commit();
+        if (i + kRecvStages < mine) load(i + kRecvStages);
       }
     }
+    it += (uint32_t)mine;
+    if (threadIdx.x == 0) {
+      tma_wait_all();
+      if (a.signal_reduced) st_release_gpu(&local->reduced[k][rb], e);
+    }
+    __syncthreads();
   }
 }
 
@@ -134,7 +178,7 @@ __global__ void __launch_bounds__(kCommThreads, 1) comm_kernel(const __grid_cons
   if ((int)blockIdx.x < a.senders) {
     if (threadIdx.x == 0) sender(a, smem, mbar, blockIdx.x);
   } else {
-    receiver<T>(a, blockIdx.x - a.senders);
+    receiver<T>(a, smem, mbar, blockIdx.x - a.senders);
   }
 }
 
@@ -168,7 +212,6 @@ __global__ void release_slots_kernel(const __grid_constant__ Peers p) {
 
 __global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; }
 
-constexpr int kCommSmem = kStages * kPieceBytes;
 
 }  // namespace
 

@@ -74,9 +74,10 @@ def test_values(gpus, m, k_local, n, dtype):
 def test_batch_dims_and_chunk_counts(gpus):
     mesh = _mesh(gpus)
     x, w = _inputs(mesh, 384, 512, 512, jnp.bfloat16, batch=(4,))
-    ref = _fn(mesh, XLA, x_spec=P(None, "tp"))
+    spec = dict(x_spec=P(None, None, "tp"), out_spec=P("tp"))
+    ref = _fn(mesh, XLA, **spec)
     for chunks in (1, 2, 4):
-        f = _fn(mesh, Config(backend="fused", chunks=chunks, comm_sms=16))
+        f = _fn(mesh, Config(backend="fused", chunks=chunks, comm_sms=16), **spec)
         _close(f(x, w), ref(x, w), jnp.bfloat16)
 
 
@@ -112,7 +113,8 @@ def test_inside_scan_and_fori_loop(gpus):
                 y = jaxoverlap.matmul_reduce_scatter(xi, w, "tp", config=config)
                 return acc + y.astype(jnp.float32)
 
-            acc = lax.fori_loop(0, 6, step, jnp.zeros((512, 1024), jnp.float32))
+            acc0 = lax.pcast(jnp.zeros((512, 1024), jnp.float32), ("tp",), to="varying")
+            acc = lax.fori_loop(0, 6, step, acc0)
 
             def sstep(c, xs):
                 return c, jaxoverlap.matmul_reduce_scatter(xs, w, "tp", config=config)
