@@ -22,7 +22,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                      int64_t chunks, double timeout_s, int64_t stall_rank) {
+                      int64_t chunks, double timeout_s, int64_t stall_rank,
+                      int64_t profile) {
   if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
@@ -121,11 +122,15 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   c.timeout_ns = timeout_ns;
   c.err = err;
   c.dtype = dtype;
-  CK(launch_comm(c, part->comm));
+  // profile == 1 (tools only): the GEMM schedule alone, no communication -- what the GEMM costs on
+  // its partition with this chunking; the result is garbage.
+  const bool communicate = profile != 1;
+  if (communicate) CK(launch_comm(c, part->comm));
   const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
   for (int k = 0; k < chunks; ++k) {
-    CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
-                         err, part->gemm));
+    if (communicate)
+      CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
+                           err, part->gemm));
     const char* cin = n == 2 ? peers.stage[rank] +
                                    stage_slot(peer, rank, (int)n) * block_bytes + k * mc * N * elt
                              : ws->acc[rank] + k * mc * N * elt;
@@ -134,7 +139,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
         !e.empty())
       return internal(kWhat, e);
   }
-  CK(launch_release_slots(peers, part->gemm));
+  if (communicate) CK(launch_release_slots(peers, part->gemm));
   CK(cudaEventRecord(dev->gemm_done, part->gemm));
   CK(cudaEventRecord(dev->comm_done, part->comm));
   CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
@@ -162,4 +167,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
                                   .Attr<int64_t>("comm_sms")
                                   .Attr<int64_t>("chunks")
                                   .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("stall_rank"));
+                                  .Attr<int64_t>("stall_rank")
+                                  .Attr<int64_t>("profile"));

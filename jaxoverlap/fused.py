@@ -53,6 +53,7 @@ MEASURED_WINS: dict[tuple[int, int, int, int], int] = {}
 
 _site_ids = itertools.count(1)
 _stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
+_profile: contextvars.ContextVar[int] = contextvars.ContextVar("profile", default=0)
 
 
 class FusedUnavailable(Exception):
@@ -68,6 +69,17 @@ def _stalled_rank_for_tests(rank: int):
         yield
     finally:
         _stall_rank.reset(token)
+
+
+@contextlib.contextmanager
+def _gemm_only_for_tools():
+    """Tools only: fused GEMM+RS calls lowered inside this block run their GEMM schedule on the
+    GEMM partition without any communication (wrong results), to measure where time goes."""
+    token = _profile.set(1)
+    try:
+        yield
+    finally:
+        _profile.reset(token)
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -176,7 +188,7 @@ def lower(op, ctx, x, w, params):
         chunks = MEASURED_WINS.get(key, chunks)
     runtime.register_targets()
     attrs = _table_attrs(table, config.comm_sms or DEFAULT_COMM_SMS, chunks, config.timeout_s)
-    return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, **attrs)
+    return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 
 
 # ----------------------------------------------------------------------------- standalone RS

@@ -85,7 +85,7 @@ __device__ __forceinline__ void add8(float* acc, const uint4& v) {
 
 // Receiver CTA: per chunk, wait for every peer's arrival, then for each of its pieces TMA-load
 // the n contributions (own block + staged peer blocks) into smem, sum them in rank order in f32,
-// and TMA-store the sum. Two smem stages, so loads of piece i+1 overlap the sum of piece i; bulk
+// and TMA-store the sum. kRecvStages smem stages, so later loads overlap the sum of piece i; bulk
 // copies keep enough bytes in flight per SM that a few CTAs keep up with NVLink.
 template <typename T>
 __device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) {

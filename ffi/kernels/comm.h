@@ -15,9 +15,10 @@ enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
 constexpr uint32_t kPieceBytes = 32 * 1024;  // one TMA transfer
 constexpr int kStages = 4;                   // smem pipeline depth of a sender CTA
 constexpr int kCommThreads = 256;            // receivers use all threads, senders one
-constexpr int kRecvStages = 2;               // smem pipeline depth of a receiver CTA
+constexpr int kRecvStages = 4;               // smem pipeline depth of a receiver CTA
 constexpr int kCommSmem = 192 * 1024;        // dynamic smem of every comm CTA (1 CTA per SM)
 static_assert(kStages * kPieceBytes <= kCommSmem, "sender pipeline exceeds the smem budget");
+static_assert(kRecvStages <= kStages, "receivers reuse the senders' mbarriers");
 
 // Receiver piece: kRecvStages x (n inputs + 1 output) pieces fit the smem budget.
 __host__ __device__ inline uint32_t recv_piece_bytes(int n) {
