@@ -19,6 +19,15 @@ import subprocess
 import sys
 import time
 
+# NVLink multicast stays off on the shared GPU machines (it can take their GPUs out of service);
+# set here so that a script started on its own, and its child processes, keep it off too.
+for _var, _val in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_var, _val)
+
 TIMING = (
     "python loop: per sample, N back-to-back calls of the jitted function, then "
     "jax.block_until_ready on the last output, timed with time.perf_counter; methods of one "

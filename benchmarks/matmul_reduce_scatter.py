@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="results folder (default benchmarks/results; smoke: a temp dir)")
     p.add_argument("--name", help="file stem (default matmul_reduce_scatter_<tp>x<gpu>)")
     p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
+    p.add_argument("--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)")
+    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
     p.add_argument(
         "--smoke-stand-in",
         action="store_true",
@@ -213,7 +215,7 @@ def windowed_child(args):
 # ----------------------------------------------------------------------------- main run
 
 
-def jaxoverlap_fns(jax, mesh, stand_in):
+def jaxoverlap_fns(jax, mesh, args):
     """backend -> jitted fn, or a sentence saying why jaxoverlap cannot be used at all."""
     from jax.sharding import PartitionSpec as P
 
@@ -225,14 +227,15 @@ def jaxoverlap_fns(jax, mesh, stand_in):
         return "jaxoverlap.matmul_reduce_scatter does not exist in this checkout"
 
     def make(backend):
-        cfg = jaxoverlap.Config(backend=backend)
+        knobs = {"comm_sms": args.comm_sms, "chunks": args.chunks} if backend == "fused" else {}
+        cfg = jaxoverlap.Config(backend=backend, **knobs)
 
         def body(x, w):
             return jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=0, config=cfg)
 
         return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), P("tp", None))
 
-    return {"fused": make("xla" if stand_in else "fused"), "auto": make("auto")}
+    return {"fused": make("xla" if args.smoke_stand_in else "fused"), "auto": make("auto")}
 
 
 def measure_shape(jax, mesh, tp, shape, args, seed, jo):
@@ -425,7 +428,7 @@ def main(argv=None):
     mesh, tp = make_mesh(jax, args.tp)
     info = C.run_info(args.cpu_smoke)
     print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
-    jo = jaxoverlap_fns(jax, mesh, args.smoke_stand_in)
+    jo = jaxoverlap_fns(jax, mesh, args)
     rows = []
     for shape in args.shapes:
         row = measure_shape(jax, mesh, tp, shape, args, seed, jo)
@@ -452,6 +455,7 @@ def main(argv=None):
         "target_sample_ms": args.target_ms,
         "check_tolerance_rel": BF16_TOL,
         "stand_in": args.smoke_stand_in,
+        "fused_config": {"comm_sms": args.comm_sms, "chunks": args.chunks},
         "geomean": g,
         "rows": rows,
     }

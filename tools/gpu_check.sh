@@ -75,11 +75,18 @@ step() {
   echo "   $status in $((SECONDS - t0))s"
 }
 
+# Optional pytest plugins (both are on the GPU image): a per-test timeout that names the stuck
+# test and dumps its stacks, and parallel workers for the CPU suite.
+TEST_TIMEOUT=() XDIST=()
+"$PY" -c 'import pytest_timeout' 2>/dev/null && TEST_TIMEOUT=(--timeout=100 --timeout-method=thread)
+"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
+
 step env 30 bash -c "date -u; nvidia-smi; nvidia-smi topo -m; $PY -c 'import jax, jaxlib; \
 print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__); print(jax.devices())'"
 step native 90 "$PY" tools/check_native.py
 if ((TESTS)); then
-  step gpu-tests 170 env JAXOVERLAP_REQUIRE_GPU=1 "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider
+  step gpu-tests 170 env JAXOVERLAP_REQUIRE_GPU=1 "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider \
+    "${TEST_TIMEOUT[@]}"
 fi
 if ((BENCH)); then
   step bench-gemm-rs 150 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
@@ -89,7 +96,7 @@ fi
 if ((CPU_TESTS)); then
   # The CI suite on 8 fake CPU devices (JAX_PLATFORMS=cpu, as in CI): it expects CPU devices.
   step cpu-tests 240 env JAX_PLATFORMS=cpu "$PY" -m pytest tests -x -q -p no:cacheprovider \
-    --ignore=tests/gpu
+    --ignore=tests/gpu "${TEST_TIMEOUT[@]}" "${XDIST[@]}"
 fi
 
 echo
