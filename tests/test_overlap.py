@@ -161,6 +161,24 @@ def test_matmul_all_reduce_pattern():
     check_rewrite(f, args, ["matmul_all_reduce"])
 
 
+def test_check_vma_false():
+    """Without vma checking, psum is the ``psum`` primitive rather than ``psum_invariant``."""
+    mesh = mesh_2d()
+    x, w = inputs(mesh, [((8, 64), P("dp", "tp")), ((64, 16), P("tp", None))])
+
+    def body(x, w):
+        return lax.psum(x @ w, "tp"), lax.psum_scatter(x @ w, "tp", tiled=True)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)),
+                      out_specs=(P("dp", None), P(("dp", "tp"))), check_vma=False)  # fmt: skip
+    assert prims(jax.make_jaxpr(f)(x, w))["psum"] == 1
+    new = overlap(f)
+    after = prims(jax.make_jaxpr(new)(x, w))
+    assert after["matmul_all_reduce"] == after["matmul_reduce_scatter"] == 1, after
+    assert after["psum"] == after["reduce_scatter"] == 0, after
+    assert_tree_close(jax.jit(new)(x, w), jax.jit(f)(x, w), TOL[jnp.float32])
+
+
 def test_transposed_weight():
     """``einsum("mk,nk->mn")`` with ``w`` stored ``[N, K]`` (PyTorch layout): the op gets
     ``w.T``. (``x @ w.T`` is already a transpose followed by a plain matmul.)"""
@@ -376,7 +394,7 @@ def test_overlap_applied_to_the_shard_map_body():
     assert_tree_close(jax.jit(g)(*args), jax.jit(f)(*args), TOL[jnp.float32])
     argnums = (0, 1, 2)
     got = jax.jit(jax.grad(loss_of(g), argnums))(*args)
-    assert_tree_close(got, jax.grad(loss_of(f), argnums)(*args), TOL[jnp.float32])
+    assert_tree_close(got, jax.jit(jax.grad(loss_of(f), argnums))(*args), TOL[jnp.float32])
 
 
 def test_nested_shard_map_over_a_second_axis():
