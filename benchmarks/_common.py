@@ -56,9 +56,9 @@ def fresh_seed(seed: int | None) -> int:
     return secrets.randbits(31) if seed is None else seed
 
 
-def machine_name() -> str:
+def machine_name(cpu_smoke: bool = False) -> str:
     """GPU name and driver from nvidia-smi, else the JAX device kind."""
-    if shutil.which("nvidia-smi"):
+    if not cpu_smoke and shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -83,7 +83,8 @@ def run_info(cpu_smoke: bool) -> dict:
     import jaxlib
 
     return {
-        "machine": machine_name() + (" [cpu-smoke: fake CPU devices]" if cpu_smoke else ""),
+        "machine": machine_name(cpu_smoke)
+        + (" [cpu-smoke: fake CPU devices]" if cpu_smoke else ""),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,

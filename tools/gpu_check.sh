@@ -21,6 +21,7 @@ LOG=${OUT:-$PWD/gpu_logs}
 RESULTS="$LOG/results"
 BUDGET=${GPU_CHECK_BUDGET_S:-530}
 mkdir -p "$RESULTS"
+rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
 BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1
 for a in "$@"; do
