@@ -86,8 +86,9 @@ step env 30 bash -c "date -u; nvidia-smi; nvidia-smi topo -m; $PY -c 'import jax
 print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__); print(jax.devices())'"
 step native 90 "$PY" tools/check_native.py
 if ((TESTS)); then
-  step gpu-tests 170 env JAXOVERLAP_REQUIRE_GPU=1 "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider \
-    "${TEST_TIMEOUT[@]}"
+  # No preallocation: some tests start a second GPU process while pytest holds the GPUs.
+  step gpu-tests 170 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider "${TEST_TIMEOUT[@]}"
 fi
 if ((BENCH)); then
   step bench-gemm-rs 150 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
