@@ -1,144 +1,37 @@
-"""`jaxoverlap.overlap` and `jaxoverlap.explain` on 8 fake CPU devices.
+"""`jaxoverlap.overlap` and `jaxoverlap.explain` on 8 fake CPU devices: the patterns, nesting,
+composition.
 
 For every pattern: the rewritten jaxpr holds the jaxoverlap primitive and not the collective it
-replaced, and values and gradients equal the original's. For every reason to skip: the jaxpr is
-left as it was and `explain` names the reason. Plus nesting (jit, scan, remat, cond, shard_map
-body) and composition (jit, grad, vmap).
+replaced, and values and gradients equal the original's. Nesting: jit, scan, remat, cond, while,
+nested shard_map, overlap applied to a shard_map body. Composition: jit, grad, vmap, eager calls.
+The reasons to skip are in test_overlap_skips.py.
 """
 
 from __future__ import annotations
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from overlap_util import (
+    COLLECTIVE,
+    TOL,
+    ag_case,
+    ar_case,
+    assert_tree_close,
+    check_rewrite,
+    inputs,
+    loss_of,
+    mesh_2d,
+    prims,
+    rs_case,
+    sp_layers,
+)
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
-import collections  # noqa: E402
-
-import jax  # noqa: E402
-import jax.extend  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jaxoverlap  # noqa: E402
-from jaxoverlap.overlap import explain, overlap  # noqa: E402
-
-TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-COLLECTIVE = {
-    "matmul_reduce_scatter": "reduce_scatter",
-    "all_gather_matmul": "all_gather",
-    "matmul_all_reduce": "psum_invariant",
-}
-
-
-def mesh_2d():
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-
-
-def prims(closed) -> collections.Counter:
-    """Primitive names in a jaxpr and every jaxpr nested in it."""
-    out = collections.Counter()
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            out[eqn.primitive.name] += 1
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        visit(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        visit(sub)
-
-    visit(closed.jaxpr)
-    return out
-
-
-def inputs(mesh, shapes_specs, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(0), len(shapes_specs))
-    return [
-        jax.device_put(
-            (jax.random.normal(k, shape) / np.sqrt(shape[-1])).astype(dtype),
-            NamedSharding(mesh, spec),
-        )
-        for k, (shape, spec) in zip(keys, shapes_specs)
-    ]
-
-
-def loss_of(fn):
-    def loss(*args):
-        return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in jax.tree.leaves(fn(*args)))
-
-    return loss
-
-
-def assert_tree_close(a, b, tol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol)
-
-
-def check_rewrite(fn, args, ops, dtype=jnp.float32, grad=True):
-    """overlap(fn) has each op in ``ops`` (and not the collectives they replace), equal values
-    and gradients."""
-    new = overlap(fn)
-    before, after = prims(jax.make_jaxpr(fn)(*args)), prims(jax.make_jaxpr(new)(*args))
-    for op in ops:
-        assert after[op] == before[COLLECTIVE[op]] > 0, (op, before, after)
-        assert after[COLLECTIVE[op]] == 0, (op, after)
-    assert_tree_close(jax.jit(new)(*args), jax.jit(fn)(*args), TOL[dtype])
-    if grad:
-        argnums = tuple(range(len(args)))
-        got = jax.jit(jax.grad(loss_of(new), argnums))(*args)
-        want = jax.jit(jax.grad(loss_of(fn), argnums))(*args)
-        assert_tree_close(got, want, TOL[dtype])
-    return new
-
-
-# ----------------------------------------------------------------------------- the three patterns
-
-
-def rs_case(axes=("tp",), dtype=jnp.float32):
-    """Row-parallel linear, result scattered along the sequence dim of x [B, S, K]."""
-    mesh = mesh_2d()
-    spec = axes[0] if len(axes) == 1 else axes
-    x, w = inputs(mesh, [((2, 16, 64), P(None, None, spec)), ((64, 24), P(spec, None))], dtype)
-
-    def body(x, w):
-        return lax.psum_scatter(x @ w, axes, scatter_dimension=1, tiled=True)
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, None, spec), P(spec, None)),
-                      out_specs=P(None, spec, None))  # fmt: skip
-    return f, (x, w)
-
-
-def ag_case():
-    """Sequence-parallel column linear: gather x [S/t, K], multiply by w [K, N/t]."""
-    mesh = mesh_2d()
-    x, w = inputs(mesh, [((32, 16), P("tp", None)), ((16, 48), P(None, "tp"))])
-
-    def body(x, w):
-        return jnp.matmul(lax.all_gather(x, "tp", axis=0, tiled=True), w)
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                      out_specs=P(None, "tp"))  # fmt: skip
-    return f, (x, w)
-
-
-def ar_case():
-    mesh = mesh_2d()
-    x, w = inputs(mesh, [((8, 64), P("dp", "tp")), ((64, 16), P("tp", None))])
-
-    def body(x, w):
-        return lax.psum(jnp.dot(x, w), "tp")
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)),
-                      out_specs=P("dp", None))  # fmt: skip
-    return f, (x, w)
+import jaxoverlap
+from jaxoverlap.overlap import explain, overlap
 
 
 def test_matmul_reduce_scatter_pattern():
@@ -229,130 +122,7 @@ def test_config_reaches_the_ops():
         overlap(f, config={"backend": "xla"})
 
 
-# ----------------------------------------------------------------------------- reasons to skip
-
-MESH_1D = None
-
-
-def mesh_1d():
-    return jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-
-
-def _rs(y):
-    return lax.psum_scatter(y, "tp", tiled=True)
-
-
-def _sm(body, in_specs, out_specs, check_vma=True):
-    return jax.shard_map(body, mesh=mesh_1d(), in_specs=in_specs, out_specs=out_specs,
-                         check_vma=check_vma)  # fmt: skip
-
-
-ROW = (P(None, "tp"), P("tp", None))  # x [M, K/t], w [K/t, N]
-NEGATIVE = {
-    "precision": (
-        lambda x, w: _rs(jnp.matmul(x, w, precision=lax.Precision.HIGHEST)),
-        ROW, P("tp", None), "precision",
-    ),
-    "preferred_element_type": (
-        lambda x, w: _rs(jnp.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                                    preferred_element_type=jnp.float32)),
-        ROW, P("tp", None), "preferred_element_type=float32",
-    ),
-    "untiled": (
-        lambda x, w: lax.psum_scatter(x[:4] @ w, "tp", tiled=False),
-        ROW, P("tp"), "tiled=False",
-    ),
-    "untiled_all_gather": (
-        lambda x, w: jnp.einsum("tmk,kn->tmn", lax.all_gather(x, "tp", tiled=False), w),
-        (P("tp", None), P()), P("tp", None, None), "tiled=False",
-    ),
-    "axis_index_groups": (
-        lambda x, w: lax.psum(x @ w, "tp", axis_index_groups=[[0, 1], [2, 3]]),
-        ROW, P("tp", None), "axis_index_groups",
-    ),
-    "weight_rank_3": (
-        lambda x, w: _rs(jnp.einsum("mk,knp->mnp", x, w.reshape(w.shape[0], 4, 2))),
-        ROW, P("tp", None, None), "rank 3",
-    ),
-    "x_contracted_on_first_dim": (
-        lambda x, w: _rs(jnp.einsum("km,kn->mn", x.T, w)),
-        ROW, P("tp", None), "not on its last",
-    ),
-    "batch_dims": (
-        lambda x, w: lax.psum_scatter(
-            jnp.einsum("bmk,bkn->bmn", x[None], w[None]), "tp", scatter_dimension=1, tiled=True
-        ),
-        ROW, P(None, "tp", None), "batch dimensions",
-    ),
-    "intermediate_used_elsewhere": (
-        lambda x, w: (lambda y: (_rs(y), y))(x @ w),
-        ROW, (P("tp", None), P("tp", None)), "also used elsewhere",
-    ),
-    "gathered_used_elsewhere": (
-        lambda x, w: (lambda g: (g @ w, g))(lax.all_gather(x, "tp", tiled=True)),
-        (P("tp", None), P()), (P("tp", None), P("tp", None)), "also used elsewhere",
-    ),
-    "integer_dtype": (
-        lambda x, w: _rs(x.astype(jnp.int32) @ w.astype(jnp.int32)),
-        ROW, P("tp", None), "not floating point",
-    ),
-    "op_refuses_float8": (
-        lambda x, w: _rs(x.astype(jnp.float8_e4m3fn) @ w.astype(jnp.float8_e4m3fn)),
-        ROW, P("tp", None), "does not accept it",
-    ),
-    "gathered_weight": (
-        lambda x, w: x @ lax.all_gather(w, "tp", tiled=True),
-        (P(), P("tp", None)), P("tp", None), "weight operand",
-    ),
-    "custom_jvp": (
-        jax.custom_jvp(lambda x, w: _rs(x @ w)),
-        ROW, P("tp", None), "custom_jvp",
-    ),
-}  # fmt: skip
-NEGATIVE["custom_jvp"][0].defjvps(lambda t, y, x, w: _rs(t @ w), lambda t, y, x, w: _rs(x @ t))
-
-
-@pytest.mark.parametrize("case", list(NEGATIVE))
-def test_skipped_with_reason(case, capsys):
-    body, in_specs, out_specs, reason = NEGATIVE[case]
-    f = _sm(body, in_specs, out_specs, check_vma=case != "axis_index_groups")
-    x, w = inputs(mesh_1d(), [((16, 32), P()), ((32, 8), P())])
-    before = jax.make_jaxpr(f)(x, w)
-    after = jax.make_jaxpr(overlap(f))(x, w)
-    assert prims(after) == prims(before)
-    assert not set(prims(after)) & set(COLLECTIVE), prims(after)
-    found = explain(f, x, w)
-    assert len(found) == 1 and not found[0].rewritten, found
-    assert reason in found[0].reason, found[0].reason
-    assert "why: " + found[0].reason in capsys.readouterr().out
-    if case not in ("axis_index_groups", "integer_dtype", "op_refuses_float8"):
-        assert_tree_close(jax.jit(overlap(f))(x, w), jax.jit(f)(x, w), TOL[jnp.float32])
-
-
-def test_not_inside_shard_map_has_no_candidates(capsys):
-    x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
-    assert explain(lambda x, w: jnp.tanh(x @ w), x, w) == []
-    assert "no candidates" in capsys.readouterr().out
-    np.testing.assert_array_equal(overlap(lambda x, w: x @ w)(x, w), x @ w)
-
-
 # ----------------------------------------------------------------------------- nesting
-
-
-def sp_layers():
-    """A stack of sequence-parallel MLP layers: x [S/t, D] -> AG @ w1 -> gelu -> @ w2 -> RS."""
-    mesh = mesh_2d()
-    specs = (P("tp", None), P(None, None, "tp"), P(None, "tp", None))
-    args = inputs(mesh, [((32, 16), specs[0]), ((3, 16, 32), specs[1]), ((3, 32, 16), specs[2])])
-
-    def layer(x, w1, w2):
-        h = jax.nn.gelu(jnp.matmul(lax.all_gather(x, "tp", axis=0, tiled=True), w1))
-        return lax.psum_scatter(h @ w2, "tp", scatter_dimension=0, tiled=True)
-
-    def mapped(body):
-        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp", None))
-
-    return mesh, layer, mapped, args
 
 
 def test_inside_scan_remat_and_jit():
