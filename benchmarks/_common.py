@@ -78,6 +78,14 @@ def machine_name(cpu_smoke: bool = False) -> str:
     return f"{len(devs)}x {devs[0].device_kind} ({devs[0].platform})"
 
 
+def file_stem(script: str, tp: int, machine: str, cpu_smoke: bool) -> str:
+    """e.g. matmul_reduce_scatter_2xH200 (from "2x NVIDIA H200, 580.159.04")."""
+    if cpu_smoke:
+        return f"{script}_{tp}xcpu_smoke"
+    kind = machine.split(";")[0].split(",")[0].split()[-1]
+    return f"{script}_{tp}x{re.sub(r'[^A-Za-z0-9_-]+', '', kind) or 'device'}"
+
+
 def run_info(cpu_smoke: bool) -> dict:
     import jax
     import jaxlib

@@ -439,8 +439,7 @@ def main(argv=None):
         )
         rows.append(row)
     text, g = report(rows, args.smoke_stand_in)
-    gpu = info["machine"].split(";")[0].split(",")[0].split()[-1] if not args.cpu_smoke else "cpu"
-    name = args.name or f"matmul_reduce_scatter_{tp}x{gpu}" + ("_smoke" if args.cpu_smoke else "")
+    name = args.name or C.file_stem("matmul_reduce_scatter", tp, info["machine"], args.cpu_smoke)
     out = args.out or (
         os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
         if args.cpu_smoke

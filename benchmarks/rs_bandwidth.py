@@ -271,8 +271,7 @@ def main(argv=None):
         print(json.dumps({"size_MB": size, "nccl": row["nccl"]["busbw_GBs"], "tma": brief}))
         rows.append(row)
     text, worst = report(rows, args.sms, args.smoke_stand_in, why_none)
-    gpu = info["machine"].split(";")[0].split(",")[0].split()[-1] if not args.cpu_smoke else "cpu"
-    name = args.name or f"rs_bandwidth_{tp}x{gpu}" + ("_smoke" if args.cpu_smoke else "")
+    name = args.name or C.file_stem("rs_bandwidth", tp, info["machine"], args.cpu_smoke)
     out = args.out or (
         os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
         if args.cpu_smoke
