@@ -240,3 +240,22 @@ def test_eager_calls_trace_once():
     new = overlap(g)
     np.testing.assert_array_equal(new(*args), new(*args))
     assert len(traces) == 1
+
+
+@pytest.mark.skipif(
+    not hasattr(jaxoverlap, "explain"),
+    reason="jaxoverlap/__init__.py does not export overlap/explain yet",
+)
+def test_example_overlap_mlp(capsys, monkeypatch):
+    import pathlib
+    import re
+    import runpy
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "overlap_mlp.py"
+    argv = ["overlap_mlp.py", "--seq", "64", "--d-model", "32", "--ffn", "64", "--layers", "2"]
+    monkeypatch.setattr("sys.argv", [*argv, "--iters", "1"])
+    runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "2 of 2 candidates rewritten" in out, out
+    assert "'all_gather_matmul': 2, 'matmul_reduce_scatter': 2" in out, out
+    assert float(re.search(r"loss and gradients: (\S+)", out).group(1)) < 1e-5, out
