@@ -8,6 +8,8 @@ Per shape (M x K_local x N, tp ranks, output scattered over M), in one run on fr
   rs_only       lax.psum_scatter alone (NCCL)
   jaxoverlap    matmul_reduce_scatter with backend="fused" (null where the fused path cannot run);
                 what backend="auto" picks is timed and reported beside it.
+  gemm_part     (diagnostic) the fused op's GEMM schedule alone on its SM partition, without
+                communication: with gemm_only and rs_only it shows where the fused time goes.
 Every reduce-scatter result is checked against an f32 reference before it is timed.
 
   python benchmarks/matmul_reduce_scatter.py                # the BENCHMARKS.md shapes, all GPUs
@@ -21,6 +23,7 @@ Exit status: 0 when every measured result was correct; 1 when a check failed (or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -65,6 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
     p.add_argument("--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)")
     p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
+    p.add_argument(
+        "--no-breakdown",
+        dest="breakdown",
+        action="store_false",
+        help="skip gemm_partition (the fused GEMM schedule alone, no communication)",
+    )
     p.add_argument(
         "--smoke-stand-in",
         action="store_true",
@@ -235,7 +244,20 @@ def jaxoverlap_fns(jax, mesh, args):
 
         return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), P("tp", None))
 
-    return {"fused": make("xla" if args.smoke_stand_in else "fused"), "auto": make("auto")}
+    fns = {"fused": make("xla" if args.smoke_stand_in else "fused"), "auto": make("auto")}
+    # Where the time goes: the fused op's GEMM schedule alone on its partition (no
+    # communication, wrong numbers), through the tools-only switch of jaxoverlap.fused.
+    try:
+        from jaxoverlap import fused
+
+        profile = getattr(fused, "_gemm_only_for_tools", None)
+    except ImportError:
+        profile = None
+    if args.smoke_stand_in:
+        profile = contextlib.nullcontext
+    if profile is not None and args.breakdown:
+        fns["gemm_partition"] = (make("xla" if args.smoke_stand_in else "fused"), profile)
+    return fns
 
 
 def measure_shape(jax, mesh, tp, shape, args, seed, jo):
@@ -272,8 +294,8 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
     if isinstance(jo, str):
         row["notes"].append(jo)
     else:
-        for backend, f in jo.items():
-            key = "jaxoverlap" if backend == "fused" else "auto"
+        for backend in ("fused", "auto"):
+            f, key = jo[backend], "jaxoverlap" if backend == "fused" else "auto"
             try:
                 targets = C.custom_call_targets(f.lower(x, w).compile().as_text())
                 ours = [t for t in targets if t.startswith("jaxoverlap")]
@@ -295,13 +317,32 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
                 fns[key] = (f, (x, w))
             else:
                 row["notes"].append(f"backend={backend!r}: WRONG RESULT, not timed")
+        if "jaxoverlap" in fns and "gemm_partition" in jo:
+            gemm_partition(jax, row, fns, jo["gemm_partition"], err_f, x, w, args.smoke_stand_in)
     res = C.bench(fns, samples=args.samples, target_ms=args.target_ms)
     row["ms"] = {m: res[m]["ms"] if m in res else None for m in METHODS}
     row["auto_ms"] = res["auto"]["ms"] if "auto" in res else None
+    row["gemm_partition_ms"] = res["gemm_partition"]["ms"] if "gemm_partition" in res else None
     for name, r in res.items():
         row["iters"][name], row["samples_ms"][name] = r["iters"], r["samples_ms"]
     del x, w, y
     return row
+
+
+def gemm_partition(jax, row, fns, fn_and_profile, err_f, x, w, stand_in):
+    """Adds the fused op's GEMM-only schedule to `fns` if the switch demonstrably took effect."""
+    f, profile = fn_and_profile
+    try:
+        with profile():  # the switch is read when the call is traced and lowered
+            out = f(x, w)
+        rel = check(err_f, x, w, out)["rel_err"]
+    except Exception as e:  # noqa: BLE001
+        row["notes"].append(f"gemm_partition: {type(e).__name__}: {e}")
+        return
+    if rel <= BF16_TOL and not stand_in:  # no communication must give the wrong sum
+        row["notes"].append("gemm_partition: the GEMM-only switch had no effect; not timed")
+        return
+    fns["gemm_partition"] = (f, (x, w))
 
 
 def add_windowed(row, win, win_err):
@@ -333,6 +374,7 @@ def report(rows, stand_in):
         "xla_win",
         "rs_only",
         jo,
+        "gemm_part",
         "auto",
         "auto=",
         "xla/jo",
@@ -347,6 +389,7 @@ def report(rows, stand_in):
             [
                 f"{r['M']}x{r['K_local']}x{r['N']}",
                 *(C.fmt(ms[m]) for m in METHODS),
+                C.fmt(r.get("gemm_partition_ms")),
                 C.fmt(r["auto_ms"]),
                 r.get("auto_picks", "-"),
                 C.fmt(C.ratio(ms["xla"], ms["jaxoverlap"]), ".2f"),
@@ -371,7 +414,8 @@ def report(rows, stand_in):
     text = "\n".join(
         [
             f"matmul_reduce_scatter, ms (median), tp={rows[0]['tp'] if rows else '-'}, bf16; "
-            "jo = jaxoverlap backend='fused', auto= what backend='auto' runs",
+            "jo = jaxoverlap backend='fused', gemm_part = its GEMM schedule alone on its SM "
+            "partition (no communication), auto= what backend='auto' runs",
             C.table(headers, lines),
             f"geomean speedup of jaxoverlap over xla: {C.fmt(g['jaxoverlap_over_xla'], '.3f')}x, "
             f"over xla_windowed: {C.fmt(g['jaxoverlap_over_xla_windowed'], '.3f')}x, "

@@ -61,6 +61,7 @@ def test_matmul_reduce_scatter_smoke(tmp_path, windowed):
         assert (v is not None and v > 0) if m in measured else v is None, (m, v)
     assert all(c["ok"] for c in row["check"].values())
     assert row["auto_picks"] == "xla" and row["auto_ms"] > 0  # no fused kernel on CPU
+    assert row["gemm_partition_ms"] > 0
     assert doc["geomean"]["jaxoverlap_over_xla"] > 0
 
 
