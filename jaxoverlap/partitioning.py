@@ -14,8 +14,8 @@ the result and picks, per device:
 Caveats (also in docs/automatic-overlap.md): custom_partitioning is experimental in JAX; the
 compiled program embeds a Python callback, which defeats the persistent compilation cache; Shardy
 cannot infer that a reduce-scatter changes the result's sharding, so constrain the result
-(``jax.lax.with_sharding_constraint`` or ``out_shardings``) to get matmul_reduce_scatter; it does
-not support ``vmap``.
+(``jax.lax.with_sharding_constraint`` or ``out_shardings``) to get matmul_reduce_scatter. Under
+``vmap`` a batched ``x`` is one more leading dimension; batched weights fall back to XLA.
 """
 
 from __future__ import annotations
@@ -167,18 +167,39 @@ _cp_matmul.def_partition(
 )
 
 
+@functools.cache
+def _batchable(config):
+    """``_cp_matmul`` with a vmap rule (custom_partitioning has none), one per config."""
+
+    @jax.custom_batching.custom_vmap
+    def mm(x, w):
+        return _cp_matmul(x, w, config)
+
+    @mm.def_vmap
+    def _rule(axis_size, in_batched, x, w):
+        x_batched, w_batched = in_batched  # batch dims are moved to the front
+        if not w_batched:  # one weight: the batch is one more leading dim of x
+            return mm(x, w), True
+        if not x_batched:
+            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        # A weight per batch element is no single GEMM: leave it to XLA.
+        return jnp.einsum("b...k,bkn->b...n", x, w), True
+
+    return mm
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, w, config):
-    return _cp_matmul(x, w, config)
+    return _batchable(config)(x, w)
 
 
 def _matmul_fwd(x, w, config):
-    return _cp_matmul(x, w, config), (x, w)
+    return _batchable(config)(x, w), (x, w)
 
 
 def _matmul_bwd(config, res, g):
     x, w = res
-    dx = _cp_matmul(g, jnp.transpose(w), config)  # column- and row-parallel swap roles
+    dx = _batchable(config)(g, jnp.transpose(w))  # column- and row-parallel swap roles
     lead = tuple(range(x.ndim - 1))
     dw = lax.dot_general(x, g, ((lead, lead), ((), ())))
     return dx, dw.astype(w.dtype)

@@ -216,6 +216,28 @@ def test_inside_a_fully_manual_shard_map_is_a_local_matmul():
     np.testing.assert_allclose(jax.jit(f)(x, w), np.asarray(x) @ np.asarray(w), **TOL)
 
 
-def test_vmap_is_not_supported():
-    with pytest.raises(NotImplementedError, match="custom_partitioning"):
-        jax.vmap(matmul, in_axes=(0, None))(jnp.ones((2, 4, 8)), jnp.ones((8, 2)))
+def test_vmap(picked):
+    """A batched x is one more leading dim (still the op); batched weights go to XLA."""
+    mesh = mesh_of("2d")
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(kx, (3, 16, 32)), NamedSharding(mesh, P(None, None, "tp")))
+    w = jax.device_put(jax.random.normal(kw, (3, 32, 8)), NamedSharding(mesh, P(None, "tp")))
+    xn, wn = np.asarray(x), np.asarray(w)
+
+    y = jax.jit(jax.vmap(matmul, in_axes=(0, None)))(x, w[0])
+    np.testing.assert_allclose(y, xn @ wn[0], **TOL)
+    assert picked == ["matmul_all_reduce"], picked
+    y = jax.jit(jax.vmap(matmul, in_axes=(1, None)))(x, w[0])
+    np.testing.assert_allclose(y, np.einsum("bmk,kn->mbn", xn, wn[0]), **TOL)
+    y = jax.jit(jax.vmap(matmul))(x, w)
+    np.testing.assert_allclose(y, np.einsum("bmk,bkn->bmn", xn, wn), **TOL)
+    y = jax.jit(jax.vmap(matmul, in_axes=(None, 0)))(x[0], w)
+    np.testing.assert_allclose(y, np.einsum("mk,bkn->bmn", xn[0], wn), **TOL)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(jax.vmap(matmul, in_axes=(0, None))(x, w)))
+
+    got = jax.jit(jax.grad(loss, (0, 1)))(x, w[0])
+    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), (0, 1))(xn, wn[0])
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **TOL)
