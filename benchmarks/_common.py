@@ -17,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # NVLink multicast stays off on the shared GPU machines (it can take their GPUs out of service);
@@ -36,6 +37,49 @@ TIMING = (
 )
 
 
+def add_common_args(p, script: str):
+    """The options both scripts share; `finish_args` fills their mode-dependent defaults."""
+    p.add_argument("--tp", type=int, help="ranks (default: all devices)")
+    p.add_argument("--samples", type=int, help="samples per method (default 9; quick, smoke 5)")
+    p.add_argument("--target-ms", type=float, help="length of one sample in ms")
+    p.add_argument("--seed", type=int, help="input seed (default: fresh random, recorded)")
+    p.add_argument("--quick", action="store_true", help="fewer and shorter samples")
+    p.add_argument("--cpu-smoke", action="store_true", help="2 fake CPU devices, tiny sizes")
+    p.add_argument("--out", help="results folder (default benchmarks/results; smoke: a temp dir)")
+    p.add_argument("--name", help=f"file stem (default {script}_<tp>x<gpu>)")
+    p.add_argument(
+        "--smoke-stand-in",
+        action="store_true",
+        help="--cpu-smoke only: time the reference in jaxoverlap's slots, to exercise the "
+        "report logic (labelled as a stand-in)",
+    )
+
+
+def finish_args(p, a, target_ms: float, quick_target_ms: float):
+    short = a.quick or a.cpu_smoke
+    a.samples = a.samples or (5 if short else 9)
+    a.target_ms = a.target_ms or (quick_target_ms if short else target_ms)
+    if a.smoke_stand_in and not a.cpu_smoke:
+        p.error("--smoke-stand-in is only for --cpu-smoke")
+    return a
+
+
+def save(args, script: str, info: dict, tp: int, doc: dict, text: str, plot) -> None:
+    """Writes <stem>.json, <stem>.txt (the table) and <stem>.png (if matplotlib is there)."""
+    name = args.name or file_stem(script, tp, info["machine"], args.cpu_smoke)
+    out = args.out or (
+        os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
+        if args.cpu_smoke
+        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
+    stem = os.path.join(out, name)
+    write_json(stem + ".json", doc)
+    with open(stem + ".txt", "w") as f:
+        f.write(text + "\n")
+    png = plot(stem + ".png", f"{info['machine']} {info['date']}")
+    print(f"wrote {stem}.json/.txt" + (" and .png" if png else ""))
+
+
 def setup_platform(cpu_smoke: bool, cpu_devices: int = 2):
     """Pick the platform before any JAX backend exists (fake CPU devices in smoke mode)."""
     import jax
@@ -50,6 +94,17 @@ def shard_map(f, mesh, in_specs, out_specs):
     import jax
 
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def make_mesh(jax, tp: int | None):
+    """A 1-D mesh ("tp",) over the first `tp` devices (default: all)."""
+    import numpy as np
+
+    devs = jax.devices()
+    tp = tp or len(devs)
+    if tp > len(devs):
+        sys.exit(f"--tp {tp}: only {len(devs)} devices ({devs[0].device_kind})")
+    return jax.sharding.Mesh(np.array(devs[:tp]), ("tp",)), tp
 
 
 def fresh_seed(seed: int | None) -> int:

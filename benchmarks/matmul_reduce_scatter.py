@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -49,13 +50,8 @@ BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32; bf16 rounds the part
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(p, "matmul_reduce_scatter")
     p.add_argument("--shapes", help="comma-separated MxK_localxN (default: BENCHMARKS.md shapes)")
-    p.add_argument("--tp", type=int, help="ranks (default: all devices)")
-    p.add_argument("--samples", type=int, help="samples per method (default 9, quick 5)")
-    p.add_argument("--target-ms", type=float, help="length of one sample (default 40, quick 15)")
-    p.add_argument("--seed", type=int, help="input seed (default: fresh random, recorded)")
-    p.add_argument("--quick", action="store_true", help="fewer and shorter samples")
-    p.add_argument("--cpu-smoke", action="store_true", help="2 fake CPU devices, tiny shapes")
     p.add_argument(
         "--windowed",
         choices=("auto", "on", "off"),
@@ -63,8 +59,6 @@ def parse_args(argv=None):
         help="time xla_windowed in a child process (auto: on except --cpu-smoke)",
     )
     p.add_argument("--windowed-timeout", type=float, default=240.0, help="child limit, seconds")
-    p.add_argument("--out", help="results folder (default benchmarks/results; smoke: a temp dir)")
-    p.add_argument("--name", help="file stem (default matmul_reduce_scatter_<tp>x<gpu>)")
     p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
     p.add_argument("--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)")
     p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
@@ -72,18 +66,10 @@ def parse_args(argv=None):
         "--no-breakdown",
         dest="breakdown",
         action="store_false",
-        help="skip gemm_partition (the fused GEMM schedule alone, no communication)",
-    )
-    p.add_argument(
-        "--smoke-stand-in",
-        action="store_true",
-        help="--cpu-smoke only: time backend='xla' in the fused slot, to exercise the "
-        "report logic (labelled as a stand-in)",
+        help="skip gemm_part (the fused GEMM schedule alone, no communication)",
     )
     p.add_argument("--windowed-child", help=argparse.SUPPRESS)  # internal: JSON path to write
-    a = p.parse_args(argv)
-    a.samples = a.samples or (5 if a.quick or a.cpu_smoke else 9)
-    a.target_ms = a.target_ms or (15.0 if a.quick or a.cpu_smoke else 40.0)
+    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
     if a.shapes:
         a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
     else:
@@ -94,16 +80,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- inputs and checks
-
-
-def make_mesh(jax, tp):
-    import numpy as np
-
-    devs = jax.devices()
-    tp = tp or len(devs)
-    if tp > len(devs):
-        sys.exit(f"--tp {tp}: only {len(devs)} devices ({devs[0].device_kind})")
-    return jax.sharding.Mesh(np.array(devs[:tp]), ("tp",)), tp
 
 
 def make_inputs(jax, mesh, shape, tp, seed):
@@ -159,20 +135,10 @@ def run_windowed_child(args, seed, tp):
     """Times xla_windowed in a fresh process (before this one touches a GPU); shape -> result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "windowed.json")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--windowed-child",
-            out,
-            "--seed",
-            str(seed),
-            "--samples",
-            str(args.samples),
-            "--target-ms",
-            str(args.target_ms),
-            "--shapes",
-            ",".join("x".join(map(str, s)) for s in args.shapes),
-        ]
+        shapes = ",".join("x".join(map(str, s)) for s in args.shapes)
+        opts = f"--seed {seed} --samples {args.samples} --target-ms {args.target_ms}"
+        cmd = [sys.executable, os.path.abspath(__file__), "--windowed-child", out, *opts.split()]
+        cmd += ["--shapes", shapes]
         cmd += ["--tp", str(tp)] if tp else []
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_FLAGS}")
@@ -193,7 +159,7 @@ def windowed_child(args):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh, tp = make_mesh(jax, args.tp)
+    mesh, tp = C.make_mesh(jax, args.tp)
     err_f = error_fn(mesh)
     out_sh = NamedSharding(mesh, P("tp", None))
     rows = []
@@ -367,21 +333,8 @@ def add_windowed(row, win, win_err):
 def report(rows, stand_in):
     """The stdout table and the geometric means (also returned for the JSON)."""
     jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
-    headers = [
-        "shape (MxK_lxN)",
-        "gemm_only",
-        "xla",
-        "xla_win",
-        "rs_only",
-        jo,
-        "gemm_part",
-        "auto",
-        "auto=",
-        "xla/jo",
-        "win/jo",
-        "jo/gemm",
-        "xla/auto",
-    ]
+    headers = f"MxK_lxN gemm_only xla xla_win rs_only {jo} gemm_part auto auto= xla/jo win/jo "
+    headers = (headers + "jo/gemm xla/auto").split()
     lines = []
     for r in rows:
         ms = r["ms"]
@@ -469,7 +422,7 @@ def main(argv=None):
     if args.windowed == "on" or (args.windowed == "auto" and not args.cpu_smoke):
         win, win_err = run_windowed_child(args, seed, args.tp)  # before this process uses a GPU
     jax = C.setup_platform(args.cpu_smoke)
-    mesh, tp = make_mesh(jax, args.tp)
+    mesh, tp = C.make_mesh(jax, args.tp)
     info = C.run_info(args.cpu_smoke)
     print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
     jo = jaxoverlap_fns(jax, mesh, args)
@@ -483,12 +436,6 @@ def main(argv=None):
         )
         rows.append(row)
     text, g = report(rows, args.smoke_stand_in)
-    name = args.name or C.file_stem("matmul_reduce_scatter", tp, info["machine"], args.cpu_smoke)
-    out = args.out or (
-        os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
-        if args.cpu_smoke
-        else os.path.join(os.path.dirname(__file__), "results")
-    )
     doc = {
         **info,
         "tp": tp,
@@ -502,11 +449,7 @@ def main(argv=None):
         "geomean": g,
         "rows": rows,
     }
-    C.write_json(os.path.join(out, name + ".json"), doc)
-    with open(os.path.join(out, name + ".txt"), "w") as f:
-        f.write(text + "\n")
-    png = plot(rows, os.path.join(out, name + ".png"), f"{info['machine']} {info['date']}")
-    print(f"wrote {os.path.join(out, name)}.json/.txt" + (" and .png" if png else ""))
+    C.save(args, "matmul_reduce_scatter", info, tp, doc, text, functools.partial(plot, rows))
     print(text)
     bad = [
         f"{r['M']}x{r['K_local']}x{r['N']} {m}"

@@ -17,11 +17,10 @@ Exit status: 0 when every measured result was correct; 1 when a check failed (or
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
-import os
 import sys
-import tempfile
 
 import _common as C
 
@@ -35,39 +34,17 @@ TOL = 1e-2  # max |tma - nccl| / max |nccl|; both add n bf16 partials
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(p, "rs_bandwidth")
     p.add_argument("--sizes-mb", help="comma-separated MB per rank (default 64,128,256)")
     p.add_argument("--sms", help="comma-separated comm SM counts (default 4,8,12,16,24,32)")
     p.add_argument("--cols", type=int, help="row length in elements (default 8192; smoke 64)")
-    p.add_argument("--tp", type=int, help="ranks (default: all devices)")
-    p.add_argument("--samples", type=int, help="samples per method (default 9, quick 5)")
-    p.add_argument("--target-ms", type=float, help="length of one sample (default 30, quick 10)")
-    p.add_argument("--seed", type=int, help="input seed (default: fresh random, recorded)")
-    p.add_argument("--quick", action="store_true", help="8 and 16 SMs, fewer and shorter samples")
-    p.add_argument("--cpu-smoke", action="store_true", help="2 fake CPU devices, tiny sizes")
-    p.add_argument("--out", help="results folder (default benchmarks/results; smoke: a temp dir)")
-    p.add_argument("--name", help="file stem (default rs_bandwidth_<tp>x<gpu>)")
     p.add_argument("--require-tma", action="store_true", help="fail if the TMA kernel is absent")
-    p.add_argument(
-        "--smoke-stand-in",
-        action="store_true",
-        help="--cpu-smoke only: time lax.psum_scatter in the TMA slots, to exercise the report "
-        "logic (labelled as a stand-in)",
-    )
-    a = p.parse_args(argv)
-    short = a.quick or a.cpu_smoke
-    a.samples = a.samples or (5 if short else 9)
-    a.target_ms = a.target_ms or (10.0 if short else 30.0)
+    a = C.finish_args(p, p.parse_args(argv), target_ms=30.0, quick_target_ms=10.0)
     a.cols = a.cols or (64 if a.cpu_smoke else 8192)
-    a.sizes_mb = (
-        [float(s) for s in a.sizes_mb.split(",")]
-        if a.sizes_mb
-        else (SMOKE_SIZES_MB if a.cpu_smoke else SIZES_MB)
-    )
-    a.sms = (
-        [int(s) for s in a.sms.split(",")] if a.sms else (QUICK_SM_COUNTS if short else SM_COUNTS)
-    )
-    if a.smoke_stand_in and not a.cpu_smoke:
-        p.error("--smoke-stand-in is only for --cpu-smoke")
+    sizes = SMOKE_SIZES_MB if a.cpu_smoke else SIZES_MB
+    a.sizes_mb = [float(v) for v in a.sizes_mb.split(",")] if a.sizes_mb else sizes
+    sms = QUICK_SM_COUNTS if a.quick or a.cpu_smoke else SM_COUNTS
+    a.sms = [int(v) for v in a.sms.split(",")] if a.sms else sms
     return a
 
 
@@ -251,13 +228,7 @@ def main(argv=None):
     args = parse_args(argv)
     seed = C.fresh_seed(args.seed)
     jax = C.setup_platform(args.cpu_smoke)
-    import numpy as np
-
-    devs = jax.devices()
-    tp = args.tp or len(devs)
-    if tp > len(devs):
-        sys.exit(f"--tp {tp}: only {len(devs)} devices")
-    mesh = jax.sharding.Mesh(np.array(devs[:tp]), ("tp",))
+    mesh, tp = C.make_mesh(jax, args.tp)
     info = C.run_info(args.cpu_smoke)
     print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
     call = tma_call(args.smoke_stand_in)
@@ -271,12 +242,6 @@ def main(argv=None):
         print(json.dumps({"size_MB": size, "nccl": row["nccl"]["busbw_GBs"], "tma": brief}))
         rows.append(row)
     text, worst = report(rows, args.sms, args.smoke_stand_in, why_none)
-    name = args.name or C.file_stem("rs_bandwidth", tp, info["machine"], args.cpu_smoke)
-    out = args.out or (
-        os.path.join(tempfile.gettempdir(), "jaxoverlap_bench_smoke")
-        if args.cpu_smoke
-        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    )
     doc = {
         **info,
         "tp": tp,
@@ -292,13 +257,7 @@ def main(argv=None):
         "worst_best_tma_busbw_GBs": worst,
         "rows": rows,
     }
-    C.write_json(os.path.join(out, name + ".json"), doc)
-    with open(os.path.join(out, name + ".txt"), "w") as f:
-        f.write(text + "\n")
-    png = plot(
-        rows, args.sms, os.path.join(out, name + ".png"), f"{info['machine']} {info['date']}"
-    )
-    print(f"wrote {os.path.join(out, name)}.json/.txt" + (" and .png" if png else ""))
+    C.save(args, "rs_bandwidth", info, tp, doc, text, functools.partial(plot, rows, args.sms))
     print(text)
     bad = [n for r in rows for n in r["notes"] if "WRONG RESULT" in n]
     if bad:
