@@ -11,8 +11,10 @@ ops' own backward rules.
     python examples/overlap_mlp.py               # 8 fake CPU devices if there is no GPU
     python examples/overlap_mlp.py --seq 8192 --d-model 4096 --dtype bfloat16   # on GPUs
 
-On CPU both versions run the same XLA collectives (the ops' reference path), so their step times
-are equal within noise: the example then shows only that the rewrite is exact. On NVLink-connected
+On CPU both versions run the same XLA collectives (the ops' reference path), so there is nothing
+to gain and the step times differ only by noise: there the example shows only that the rewrite
+is exact (f32: bit-identical; bf16: within rounding, as the ops' backward groups the math
+differently). On NVLink-connected
 Hopper GPUs the ops take the fused path where it is supported, which is where the time goes down.
 """
 
@@ -77,14 +79,17 @@ def count_ops(fn, *args):
     return counts
 
 
-def timed(fn, args, iters):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
+def timed(fns, args, iters):
+    """Best-of-``iters`` wall time of each function, run alternately so drift hits both alike."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    best = [float("inf")] * len(fns)
     for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def main():
@@ -94,7 +99,7 @@ def main():
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
 
     devices = jax.devices()
@@ -133,13 +138,14 @@ def main():
     )
     print(f"max |difference| in loss and gradients: {err:.3g}")
 
-    t_plain, t_fused = timed(plain, (x, w1, w2), args.iters), timed(fused, (x, w1, w2), args.iters)
+    t_plain, t_fused = timed((plain, fused), (x, w1, w2), args.iters)
     print(f"step time, plain JAX:          {t_plain * 1e3:8.3f} ms")
     print(f"step time, jaxoverlap.overlap: {t_fused * 1e3:8.3f} ms  ({t_plain / t_fused:.2f}x)")
     if devices[0].platform != "gpu":
         print(
-            "On CPU both run XLA's own collectives (the ops' reference path): equal times are "
-            "the expected result here. The fused path needs NVLink-connected Hopper GPUs."
+            "On CPU both run XLA's own collectives (the ops' reference path), so there is no "
+            "overlap to gain: any difference above is noise or a slightly different backward "
+            "graph. The fused path needs NVLink-connected Hopper GPUs."
         )
 
 
