@@ -74,6 +74,10 @@ NEGATIVE = {
         lambda x, w: (lambda y: (_rs(y), y))(x @ w),
         ROW, (P("tp", None), P("tp", None)), "also used elsewhere",
     ),
+    "gathered_along_k": (
+        lambda x, w: lax.all_gather(x, "tp", axis=1, tiled=True) @ w,
+        (P(None, "tp"), P()), P("tp", None), "along K",
+    ),
     "gathered_used_elsewhere": (
         lambda x, w: (lambda g: (g @ w, g))(lax.all_gather(x, "tp", tiled=True)),
         (P("tp", None), P()), (P("tp", None), P("tp", None)), "also used elsewhere",

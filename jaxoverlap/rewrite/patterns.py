@@ -230,6 +230,8 @@ def _match_all_gather(jaxpr, i, uses, manual_axes) -> Match | None:
         m.reason = "the gathered value is the matmul's weight operand (the ops gather x)"
     else:
         m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
+    if m.reason is None and coll.params["all_gather_dimension"] == g.aval.ndim - 1:
+        m.reason = "the gather is along K, which the matmul contracts (the ops gather a row dim)"
     if m.reason is None and uses[g] != 1:
         m.reason = "the gathered value is also used elsewhere (the ops do not expose it)"
     return m
