@@ -330,7 +330,7 @@ def add_windowed(row, win, win_err):
         row["notes"].append(f"xla_windowed: {r['error']}")
 
 
-def report(rows, stand_in):
+def report(rows, tp, stand_in):
     """The stdout table and the geometric means (also returned for the JSON)."""
     jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
     headers = f"MxK_lxN gemm_only xla xla_win rs_only {jo} gemm_part auto auto= xla/jo win/jo "
@@ -366,7 +366,7 @@ def report(rows, stand_in):
     n = sum(r["ms"]["jaxoverlap"] is not None for r in rows)
     text = "\n".join(
         [
-            f"matmul_reduce_scatter, ms (median), tp={rows[0]['tp'] if rows else '-'}, bf16; "
+            f"matmul_reduce_scatter, ms (median), tp={tp}, bf16; "
             "jo = jaxoverlap backend='fused', gemm_part = its GEMM schedule alone on its SM "
             "partition (no communication), auto= what backend='auto' runs",
             C.table(headers, lines),
@@ -427,15 +427,21 @@ def main(argv=None):
     print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
     jo = jaxoverlap_fns(jax, mesh, args)
     rows = []
+    crashed = None
     for shape in args.shapes:
-        row = measure_shape(jax, mesh, tp, shape, args, seed, jo)
+        try:
+            row = measure_shape(jax, mesh, tp, shape, args, seed, jo)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel timeout: keep what was measured
+            crashed = f"{'x'.join(map(str, shape))}: {type(e).__name__}: {e}"
+            print(f"ABORTED at {crashed}", flush=True)
+            break
         add_windowed(row, win, win_err)
         print(
             json.dumps({k: row[k] for k in ("M", "K_local", "N", "ms", "auto_ms", "notes")}),
             flush=True,
         )
         rows.append(row)
-    text, g = report(rows, args.smoke_stand_in)
+    text, g = report(rows, tp, args.smoke_stand_in)
     doc = {
         **info,
         "tp": tp,
@@ -447,6 +453,7 @@ def main(argv=None):
         "stand_in": args.smoke_stand_in,
         "fused_config": {"comm_sms": args.comm_sms, "chunks": args.chunks},
         "geomean": g,
+        "aborted": crashed,
         "rows": rows,
     }
     C.save(args, "matmul_reduce_scatter", info, tp, doc, text, functools.partial(plot, rows))
@@ -459,6 +466,9 @@ def main(argv=None):
     ]
     if bad:
         print("FAILED correctness check: " + ", ".join(bad))
+    if crashed:
+        print(f"FAILED: aborted at {crashed}")
+    if bad or crashed:
         return 1
     if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
         print("FAILED: --require-fused, but the fused path did not run on every shape")

@@ -151,7 +151,7 @@ def gbs(v):
     return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.3g}"
 
 
-def report(rows, sms, stand_in, why_none):
+def report(rows, tp, sms, stand_in, why_none):
     headers = ["MB/rank", "nccl GB/s", *(f"tma{k} GB/s" for k in sms), "best<=16 (sms)"]
     lines, best_all = [], []
     for r in rows:
@@ -183,7 +183,7 @@ def report(rows, sms, stand_in, why_none):
     tag = " [stand-in: lax.psum_scatter]" if stand_in else ""
     text = "\n".join(
         [
-            f"reduce-scatter bus bandwidth, GB/s (median), tp={rows[0]['tp']}, bf16{tag}",
+            f"reduce-scatter bus bandwidth, GB/s (median), tp={tp}, bf16{tag}",
             C.table(headers, lines),
             f"TMA with <= {TARGET['max_sms']} SMs, worst size: {gbs(worst)} GB/s "
             f"(target >= {TARGET['busbw_GBs']:.0f}); NCCL: "
@@ -236,12 +236,18 @@ def main(argv=None):
     if why_none:
         print(f"TMA reduce-scatter UNAVAILABLE: {why_none}; measuring NCCL only", flush=True)
     rows = []
+    crashed = None
     for size in args.sizes_mb:
-        row = measure_size(jax, mesh, tp, size, args, seed, call)
+        try:
+            row = measure_size(jax, mesh, tp, size, args, seed, call)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel timeout: keep what was measured
+            crashed = f"{size:g} MB: {type(e).__name__}: {e}"
+            print(f"ABORTED at {crashed}", flush=True)
+            break
         brief = {c["comm_sms"]: c["busbw_GBs"] for c in row["tma"]}
         print(json.dumps({"size_MB": size, "nccl": row["nccl"]["busbw_GBs"], "tma": brief}))
         rows.append(row)
-    text, worst = report(rows, args.sms, args.smoke_stand_in, why_none)
+    text, worst = report(rows, tp, args.sms, args.smoke_stand_in, why_none)
     doc = {
         **info,
         "tp": tp,
@@ -255,6 +261,7 @@ def main(argv=None):
         "tma_unavailable": why_none,
         "target": TARGET,
         "worst_best_tma_busbw_GBs": worst,
+        "aborted": crashed,
         "rows": rows,
     }
     C.save(args, "rs_bandwidth", info, tp, doc, text, functools.partial(plot, rows, args.sms))
@@ -262,6 +269,9 @@ def main(argv=None):
     bad = [n for r in rows for n in r["notes"] if "WRONG RESULT" in n]
     if bad:
         print("FAILED correctness check: " + "; ".join(bad))
+    if crashed:
+        print(f"FAILED: aborted at {crashed}")
+    if bad or crashed:
         return 1
     if args.require_tma and (
         why_none or any(c["ms"] is None or c.get("kernel") != "tma" for r in rows for c in r["tma"])
