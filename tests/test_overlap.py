@@ -72,6 +72,16 @@ def test_check_vma_false():
     assert_tree_close(jax.jit(new)(x, w), jax.jit(f)(x, w), TOL[jnp.float32])
 
 
+def test_explicit_mesh_under_set_mesh():
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x, w = inputs(mesh, [((8, 64), P("dp", "tp")), ((64, 16), P("tp", None))])
+    specs = (P("dp", "tp"), P("tp", None))
+    f = jax.shard_map(lambda x, w: lax.psum_scatter(x @ w, "tp", tiled=True), mesh=mesh,
+                      in_specs=specs, out_specs=P(("dp", "tp")))  # fmt: skip
+    with jax.set_mesh(mesh):
+        check_rewrite(f, (x, w), ["matmul_reduce_scatter"])
+
+
 def test_transposed_weight():
     """``einsum("mk,nk->mn")`` with ``w`` stored ``[N, K]`` (PyTorch layout): the op gets
     ``w.T``. (``x @ w.T`` is already a transpose followed by a plain matmul.)"""
