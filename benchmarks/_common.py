@@ -236,6 +236,12 @@ def fmt(v, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, float) else str(v)
 
 
+def short(text: str, limit: int = 300) -> str:
+    """One line of at most `limit` characters (the JSON keeps the whole message)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))

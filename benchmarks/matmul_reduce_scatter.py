@@ -377,9 +377,9 @@ def report(rows, tp, stand_in):
         ]
     )
     common = set.intersection(*(set(r["notes"]) for r in rows)) if rows else set()
-    notes = [f"  all shapes: {n}" for n in sorted(common)]
+    notes = [f"  all shapes: {C.short(n)}" for n in sorted(common)]
     notes += [
-        f"  {r['M']}x{r['K_local']}x{r['N']}: {n}"
+        f"  {r['M']}x{r['K_local']}x{r['N']}: {C.short(n)}"
         for r in rows
         for n in r["notes"]
         if n not in common
@@ -467,7 +467,7 @@ def main(argv=None):
     if bad:
         print("FAILED correctness check: " + ", ".join(bad))
     if crashed:
-        print(f"FAILED: aborted at {crashed}")
+        print(f"FAILED: aborted at {C.short(crashed)}")
     if bad or crashed:
         return 1
     if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):

@@ -194,7 +194,7 @@ def report(rows, tp, sms, stand_in, why_none):
     if any(c.get("kernel") == "fallback" for r in rows for c in r["tma"]):
         text += "\n* = not the TMA kernel: the call fell back to lax.psum_scatter"
     notes = ([f"  {why_none}"] if why_none else []) + [
-        f"  {C.fmt(r['size_MB'], 'g')} MB: {n}" for r in rows for n in r["notes"]
+        f"  {C.fmt(r['size_MB'], 'g')} MB: {C.short(n)}" for r in rows for n in r["notes"]
     ]
     return text + ("\nnotes:\n" + "\n".join(notes) if notes else ""), worst
 
@@ -270,7 +270,7 @@ def main(argv=None):
     if bad:
         print("FAILED correctness check: " + "; ".join(bad))
     if crashed:
-        print(f"FAILED: aborted at {crashed}")
+        print(f"FAILED: aborted at {C.short(crashed)}")
     if bad or crashed:
         return 1
     if args.require_tma and (
