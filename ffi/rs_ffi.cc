@@ -17,7 +17,8 @@ constexpr const char* kWhat = "jaxoverlap.tma_reduce_scatter";
 ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                   ffi::Result<ffi::AnyBuffer> out, int64_t site, ffi::Span<const int32_t> ordinals,
                   ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
-                  int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank) {
+                  int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
+                  int64_t profile) {
   if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || out->element_type() != x.element_type())
@@ -57,7 +58,9 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   c.block_bytes = block_bytes;
   c.chunks = (int)chunks;
   c.senders = (int)std::min<int64_t>(comm_sms / 2, kMaxSenders);
-  c.receivers = (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
+  // profile == 1 (tools only): pushes without the receive-side sum (result is garbage), to
+  // measure the NVLink push alone on comm_sms / 2 CTAs.
+  c.receivers = profile == 1 ? 0 : (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
   c.src_by_step = 0;
   c.wait_ready = 0;
   c.signal_reduced = 0;
@@ -100,4 +103,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapRsV1, jaxoverlap::RsImpl,
                                   .Attr<int64_t>("comm_sms")
                                   .Attr<int64_t>("chunks")
                                   .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("stall_rank"));
+                                  .Attr<int64_t>("stall_rank")
+                                  .Attr<int64_t>("profile"));

@@ -42,14 +42,36 @@ from jaxoverlap import runtime, topology
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 RS_TARGET = "jaxoverlap_rs_v1"
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
-DEFAULT_COMM_SMS = 8  # GEMM keeps 124 SMs (DESIGN.md section 3: 8 TMA CTAs push ~350 GB/s)
 DEFAULT_RS_COMM_SMS = 16
 _SUPPORTED = (jnp.bfloat16, jnp.float16)
 
-# backend="auto": (M, K, N, n) of the per-device problem -> chunks for which docs/measurements.md
-# shows the fused op faster than the XLA baseline (jnp.matmul + psum_scatter) measured in the
-# same run. Shapes not listed take the reference path: never slower than XLA by construction.
-MEASURED_WINS: dict[tuple[int, int, int, int], int] = {}
+# Measured on 2x H200 (docs/measurements.md): per-device (M, K, N) at tp=2 -> (chunks, comm_sms)
+# of the fastest fused variant; each was faster than XLA's matmul + psum_scatter in the same run.
+MEASURED_WINS: dict[tuple[int, int, int], tuple[int, int]] = {
+    (8192, 4096, 8192): (4, 4),
+    (8192, 14336, 8192): (2, 4),
+    (16384, 8192, 8192): (2, 4),
+    (4096, 4096, 4096): (2, 4),
+    (2048, 8192, 8192): (2, 4),
+}
+# Every measured shape won; backend="auto" extends that only to tp=2 shapes at least as large as
+# the smallest measured ones in every dimension (M >= 2048, K >= 4096, N >= 4096), with the
+# setting that won most often. Anything else takes the XLA path: never slower than XLA.
+_AUTO_MIN = (2048, 4096, 4096)
+_AUTO_DEFAULT = (2, 4)
+DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best, see above)
+
+
+def predicted_setting(m_total, k, n_cols, n):
+    """(chunks, comm_sms) where measurements predict a win over XLA, else None."""
+    if n != 2:
+        return None
+    if (m_total, k, n_cols) in MEASURED_WINS:
+        return MEASURED_WINS[(m_total, k, n_cols)]
+    if all(v >= lo for v, lo in zip((m_total, k, n_cols), _AUTO_MIN, strict=True)):
+        return _AUTO_DEFAULT
+    return None
+
 
 _site_ids = itertools.count(1)
 _stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
@@ -74,7 +96,8 @@ def _stalled_rank_for_tests(rank: int):
 @contextlib.contextmanager
 def _gemm_only_for_tools():
     """Tools only: fused GEMM+RS calls lowered inside this block run their GEMM schedule on the
-    GEMM partition without any communication (wrong results), to measure where time goes."""
+    GEMM partition without any communication, and `tma_reduce_scatter` pushes without summing
+    (wrong results either way), to measure where time goes."""
     token = _profile.set(1)
     try:
         yield
@@ -134,10 +157,10 @@ def unsupported_reason(op, x, w, params, axis_size):
     comm_sms = config.comm_sms or DEFAULT_COMM_SMS
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
-    if config.backend == "auto" and (m_total, k, n_cols, n) not in MEASURED_WINS:
+    if config.backend == "auto" and predicted_setting(m_total, k, n_cols, n) is None:
         return (
-            f"backend='auto': no measurement shows the fused kernel faster than XLA for "
-            f"M={m_total} K={k} N={n_cols} over {n} GPUs (see docs/measurements.md)"
+            f"backend='auto': measurements do not predict a win over XLA for M={m_total} K={k} "
+            f"N={n_cols} over {n} GPUs (see docs/measurements.md)"
         )
     return None
 
@@ -181,13 +204,14 @@ def lower(op, ctx, x, w, params):
     x_aval, w_aval = ctx.avals_in
     table = _group_table(ctx, params["axis_name"])
     config = params["config"]
-    m = _rows(x_aval.shape) // table.n
-    chunks = choose_chunks(m, x_aval.shape[-1], w_aval.shape[1], config.chunks)
-    if config.backend == "auto":
-        key = (_rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1], table.n)
-        chunks = MEASURED_WINS.get(key, chunks)
+    m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
+    setting = predicted_setting(m_total, k, n_cols, table.n) or (None, DEFAULT_COMM_SMS)
+    chunks = choose_chunks(m_total // table.n, k, n_cols, config.chunks or setting[0])
+    if chunks is None:
+        chunks = choose_chunks(m_total // table.n, k, n_cols, None)
+    comm_sms = config.comm_sms or setting[1]
     runtime.register_targets()
-    attrs = _table_attrs(table, config.comm_sms or DEFAULT_COMM_SMS, chunks, config.timeout_s)
+    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s)
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 
 
@@ -242,7 +266,7 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
     attrs = _table_attrs(table, comm_sms, chunks, timeout_s)
-    return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, **attrs)
+    return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
 
 
 tma_reduce_scatter_p.def_abstract_eval(_rs_abstract)

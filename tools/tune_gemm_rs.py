@@ -88,12 +88,15 @@ def gemm_rs_rows(mesh, tp, variants, shapes):
         ms = dict(gemm_only=bench(gemm, x, w), xla=bench(xla, x, w), rs_only=bench(rs, y))
         fused_ms = {}
         for chunks, comm, gemm_only in variants:
-            cfg = jaxoverlap.Config(backend="fused", chunks=chunks, comm_sms=comm)
+            auto = chunks is None
+            cfg = jaxoverlap.Config(
+                backend="auto" if auto else "fused", chunks=chunks, comm_sms=comm
+            )
 
             def body(x, w, cfg=cfg):
                 return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
 
-            name = f"{'gemmonly_' if gemm_only else ''}c{chunks}_s{comm}"
+            name = "auto" if auto else f"{'gemmonly_' if gemm_only else ''}c{chunks}_s{comm}"
             try:
                 f = smap(mesh, body, *specs)
                 if gemm_only:  # the GEMM schedule on its partition, no communication
@@ -110,7 +113,11 @@ def gemm_rs_rows(mesh, tp, variants, shapes):
                 fused_ms[name] = f"{type(e).__name__}: {str(e)[:200]}"
         row["ms"] = ms
         row["fused_ms"] = fused_ms
-        timed = {k: v for k, v in fused_ms.items() if isinstance(v, float) and "gemmonly" not in k}
+        timed = {
+            k: v
+            for k, v in fused_ms.items()
+            if isinstance(v, float) and "gemmonly" not in k and k != "auto"
+        }
         if timed:
             best = min(timed, key=timed.get)
             row["best"] = best
@@ -155,6 +162,15 @@ def rs_rows(mesh, tp, sms_list, sizes_mb):
                 t = bench(f, y)
                 row[f"tma_{k}_ms"] = t
                 row[f"tma_{k}_busbw"] = busbw(t)
+                g = smap(
+                    mesh,
+                    lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k),
+                    P(None, "tp"),
+                    P("tp", None),
+                )
+                with fused._gemm_only_for_tools():  # push only, on k / 2 CTAs
+                    jax.block_until_ready(g(y))
+                row[f"push_only_{k // 2}cta_busbw"] = busbw(bench(g, y))
             except Exception as e:
                 row[f"tma_{k}"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -172,8 +188,8 @@ def main():
     tp = 2
     mesh = Mesh(np.array(devs[:tp]), ("tp",))
     print(f"jax {jax.__version__} {devs[0].device_kind} x{len(devs)}", flush=True)
-    variants = [(c, s, False) for s in (8, 4) for c in (1, 2, 4)]
-    variants += [(2, 8, True), (2, 4, True), (1, 4, True)]
+    variants = [(c, 4, False) for c in (1, 2, 4)] + [(2, 8, False), (4, 8, False)]
+    variants += [(2, 4, True), (4, 4, True), (None, None, False)]
     if args.quick:
         variants = [(2, 8, False), (2, 4, False)]
     rs = [] if args.skip_rs else rs_rows(mesh, tp, [8, 16, 32], [64, 256])

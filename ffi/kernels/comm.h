@@ -13,7 +13,7 @@ namespace jaxoverlap {
 enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
 
 constexpr uint32_t kPieceBytes = 32 * 1024;  // one TMA transfer
-constexpr int kStages = 4;                   // smem pipeline depth of a sender CTA
+constexpr int kStages = 6;                   // smem pipeline depth of a sender CTA
 constexpr int kCommThreads = 256;            // receivers use all threads, senders one
 constexpr int kRecvStages = 4;               // smem pipeline depth of a receiver CTA
 constexpr int kCommSmem = 192 * 1024;        // dynamic smem of every comm CTA (1 CTA per SM)
