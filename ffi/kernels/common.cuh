@@ -60,6 +60,20 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p, bool sys) {
+  uint32_t v;
+  if (sys)
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acquire(bool sys) {
+  if (sys)
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  else
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -80,40 +94,45 @@ struct WaitSite {
 // Spins until *p reaches `target` (monotonic epochs). On timeout: fills the host-mapped error
 // record, prints it, and traps -- the XLA stream then fails instead of hanging, and the next
 // jaxoverlap call on any device raises with this record.
+// Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
+// traffic of everything else on the GPU), then makes the observation an acquire with a fence.
 __device__ __noinline__ void wait_flag(const uint32_t* p, uint32_t target, bool sys,
                                        uint64_t timeout_ns, ErrorRecord* err,
                                        const Peers& peers, WaitSite site) {
-  uint32_t v = sys ? ld_acquire_sys(p) : ld_acquire_gpu(p);
-  if ((int32_t)(v - target) >= 0) return;
-  const uint64_t t0 = global_ns();
-  uint32_t spins = 0;
-  while (true) {
-    v = sys ? ld_acquire_sys(p) : ld_acquire_gpu(p);
-    if ((int32_t)(v - target) >= 0) return;
-    if ((++spins & 255u) == 0) {
-      const uint64_t dt = global_ns() - t0;
-      if (dt > timeout_ns) {
-        volatile ErrorRecord* e = err;
-        e->op = site.op;
-        e->what = site.what;
-        e->device = peers.device;
-        e->rank = peers.rank;
-        e->peer = site.peer;
-        e->chunk = site.chunk;
-        e->target = target;
-        e->seen = v;
-        e->waited_s = dt * 1e-9;
-        __threadfence_system();
-        e->set = 1;
-        __threadfence_system();
-        printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk %d "
-               "(wait kind %d, flag %u, wanted %u)\n",
-               site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk, site.what, v,
-               target);
-        __trap();
+  uint32_t v = ld_relaxed(p, sys);
+  if ((int32_t)(v - target) < 0) {
+    const uint64_t t0 = global_ns();
+    uint32_t spins = 0;
+    while (true) {
+      __nanosleep(32);
+      v = ld_relaxed(p, sys);
+      if ((int32_t)(v - target) >= 0) break;
+      if ((++spins & 63u) == 0) {
+        const uint64_t dt = global_ns() - t0;
+        if (dt > timeout_ns) {
+          volatile ErrorRecord* e = err;
+          e->op = site.op;
+          e->what = site.what;
+          e->device = peers.device;
+          e->rank = peers.rank;
+          e->peer = site.peer;
+          e->chunk = site.chunk;
+          e->target = target;
+          e->seen = v;
+          e->waited_s = dt * 1e-9;
+          __threadfence_system();
+          e->set = 1;
+          __threadfence_system();
+          printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk "
+                 "%d (wait kind %d, flag %u, wanted %u)\n",
+                 site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk, site.what,
+                 v, target);
+          __trap();
+        }
       }
     }
   }
+  fence_acquire(sys);
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
