@@ -10,8 +10,9 @@ Each TMA result is checked against the NCCL result before it is timed.
   python benchmarks/rs_bandwidth.py --quick         # 8 and 16 SMs, fewer samples
   python benchmarks/rs_bandwidth.py --cpu-smoke     # 2 fake CPU devices, tiny sizes
 
-Exit status: 0 when every measured result was correct; 1 when a check failed (or, with
---require-tma, when the TMA kernel could not run).
+Exit status: 0 when every measured result was correct; 1 when a check failed, when an error
+stopped the run (the JSON keeps the rows before it), or, with --require-tma, when the TMA
+kernel could not run.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ if ((TESTS)); then
     "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider "${TEST_TIMEOUT[@]}"
 fi
 if ((BENCH)); then
-  step bench-gemm-rs 150 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
+  step bench-gemm-rs 180 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
     --windowed-timeout 80 "${BENCH_FLAGS[@]}"
   step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
 fi
