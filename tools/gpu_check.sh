@@ -4,7 +4,8 @@
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
 #
-# --cpu-smoke runs the benchmarks on 2 fake CPU devices (to try this script without GPUs).
+# --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
+# --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere).
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
 # machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
