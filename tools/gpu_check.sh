@@ -32,7 +32,7 @@ for a in "$@"; do
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
     --skip-cpu-tests) CPU_TESTS=0 ;;
-    -h | --help) sed -n 2,12p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,13p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
