@@ -11,13 +11,17 @@ from jax.sharding import NamedSharding
 import jaxoverlap
 
 
-def _trace(fn, x_shape, w_shape, in_specs, dtype=jnp.float32, w_dtype=None, out_specs=P()):
+def _trace(
+    fn, x_shape, w_shape, in_specs, dtype=jnp.float32, w_dtype=None, out_specs=P(), lower=False
+):
     mesh = make_mesh("tp4")
     x = jax.ShapeDtypeStruct(x_shape, dtype, sharding=NamedSharding(mesh, in_specs[0]))
     w = jax.ShapeDtypeStruct(w_shape, w_dtype or dtype, sharding=NamedSharding(mesh, in_specs[1]))
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     with jax.set_mesh(mesh):
-        jax.jit(mapped).trace(x, w)
+        traced = jax.jit(mapped).trace(x, w)
+        if lower:
+            traced.lower()
 
 
 K_SHARDED = (P(None, "tp"), P("tp", None))
@@ -100,14 +104,14 @@ def test_backend_fused_unavailable_on_cpu_says_why():
         match=r"matmul_reduce_scatter: backend='fused' cannot run "
         r"here: .+",
     ):
-        _trace(f, (8, 32), (32, 8), K_SHARDED)
+        _trace(f, (8, 32), (32, 8), K_SHARDED, dtype=jnp.bfloat16, lower=True)
 
 
 def test_auto_and_xla_backends_run_on_cpu():
     for backend in ("auto", "xla"):
         cfg = jaxoverlap.Config(backend=backend)
         f = lambda x, w, cfg=cfg: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)  # noqa: E731
-        _trace(f, (8, 32), (32, 8), K_SHARDED)
+        _trace(f, (8, 32), (32, 8), K_SHARDED, lower=True)
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,12 @@ def register_lowerings(prim, op, reference_fn):
     """Reference lowering on every platform; on CUDA try the fused path first."""
 
     def reference_lowering(ctx, x, w, *, axis_name, config, **dims):
-        del config
+        if config.backend == "fused" and "cuda" not in ctx.module_context.platforms:
+            raise ValueError(
+                f"jaxoverlap.{op}: backend='fused' cannot run here: the fused kernel runs on "
+                f"CUDA GPUs, and this computation is compiled for "
+                f"{', '.join(ctx.module_context.platforms)}. Use backend='auto' to fall back."
+            )
         fn = lambda x, w: reference_fn(x, w, axis_name, **dims)  # noqa: E731
         return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)
 
