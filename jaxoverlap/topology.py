@@ -47,7 +47,10 @@ def _ordinal(d):
 
 def group_table(mesh, axis_names) -> GroupTable:
     """The group table of ``mesh`` for a collective over ``axis_names`` (tuple of names)."""
-    devices = getattr(mesh, "devices", None)
+    try:
+        devices = mesh.devices
+    except (AttributeError, ValueError):  # AbstractMesh: no devices
+        devices = None
     if devices is None or not isinstance(devices, np.ndarray):
         raise TopologyError("the mesh has no concrete devices at lowering time")
     names = tuple(mesh.axis_names)
