@@ -1,0 +1,131 @@
+"""The fused path's decisions on CPU: trace-time reasons, chunk choice, the measured-win rule
+for backend="auto", lazy loading, and the custom call a CUDA lowering emits (lowered for CUDA
+from fake CPU devices; no GPU needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap import Config, fused, runtime
+
+OP = "matmul_reduce_scatter"
+
+
+def _aval(shape, dtype=jnp.bfloat16):
+    return jax.core.ShapedArray(shape, dtype)
+
+
+def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, **cfg):
+    params = dict(axis_name=("tp",), scatter_dimension=0, config=Config(**cfg))
+    return fused.unsupported_reason(OP, _aval(x_shape, dtype), _aval(w_shape, dtype), params, n)
+
+
+@pytest.fixture
+def native_ok(monkeypatch):
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
+
+
+def test_other_ops_are_not_fused(native_ok):
+    params = dict(axis_name=("tp",), gather_dimension=0, config=Config(backend="fused"))
+    for op in ("all_gather_matmul", "matmul_all_reduce"):
+        why = fused.unsupported_reason(op, _aval((8, 8)), _aval((8, 8)), params, 2)
+        assert op in why and "no fused GPU kernel" in why
+
+
+def test_reasons(native_ok):
+    assert _reason((1024, 512), (512, 768), backend="fused") is None
+    assert _reason((4, 384, 512), (512, 512), backend="fused") is None
+    assert "float32" in _reason((1024, 512), (512, 768), dtype=jnp.float32, backend="fused")
+    assert "multiples of 8" in _reason((1024, 500), (500, 768), backend="fused")
+    assert "alignment" in _reason((2 * 24, 8), (8, 8), backend="fused")
+    assert "outside 2..8" in _reason((1024, 512), (512, 768), n=16, backend="fused")
+    params = dict(axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"))
+    why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2)
+    assert "dimension 0 only" in why
+
+
+def test_missing_extension_is_the_reason(monkeypatch):
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: "not built (test)")
+    assert _reason((1024, 512), (512, 768), backend="fused") == "not built (test)"
+
+
+def test_auto_only_where_measurements_predict_a_win(native_ok):
+    assert "measurements do not predict a win" in _reason((1024, 512), (512, 768))
+    assert "measurements do not predict a win" in _reason((8192, 4096), (4096, 8192), n=4)
+    for (m, k, n_cols), setting in fused.MEASURED_WINS.items():
+        assert _reason((m, k), (k, n_cols)) is None
+        assert fused.predicted_setting(m, k, n_cols, 2) == setting
+    assert fused.predicted_setting(4096, 8192, 6144, 2) == fused._AUTO_DEFAULT
+    assert fused.predicted_setting(1024, 8192, 8192, 2) is None
+
+
+def test_choose_chunks():
+    assert fused.choose_chunks(4096, 4096, 8192) == 4
+    assert fused.choose_chunks(4096, 4096, 8192, requested=2) == 2
+    assert fused.choose_chunks(24, 8, 8) is None
+    assert fused.choose_chunks(768, 1152, 1280) == 4  # 192-row chunks: aligned
+    assert fused.choose_chunks(256, 8, 8, requested=3) is None
+
+
+def test_import_initialises_nothing_native():
+    code = (
+        "import sys, jaxoverlap; "
+        "assert 'jaxoverlap._native' not in sys.modules; "
+        "assert not any(m.startswith('jax_cuda') for m in sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(runtime.native() is None, reason="native extension not built")
+def test_cuda_lowering_emits_the_custom_call(monkeypatch):
+    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+    devs = np.array(jax.devices()[:4])[[2, 0, 3, 1]].reshape(2, 2)
+    mesh = Mesh(devs, ("dp", "tp"))
+
+    def body(x, w):
+        y = jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=Config(backend="fused"))
+        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=Config(backend="fused")) + y
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P(("dp", "tp"))
+        )
+    )
+    x = jax.ShapeDtypeStruct((2 * 512, 2 * 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 256, 384), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in line]
+    assert len(calls) == 2
+    assert "reduce_scatter" not in text
+    call = calls[0]
+    # devices 2,0 form one tp group and 3,1 the other; ranks follow the tp position
+    assert "ordinals = dense<[2, 0, 3, 1]>" in call
+    assert "ranks = dense<[0, 1, 0, 1]>" in call
+    assert "groups = dense<[2, 0, 2, 0, 3, 1, 3, 1]>" in call
+    assert "n = 2" in call and "stall_rank = -1" in call
+
+
+@pytest.mark.skipif(runtime.native() is None, reason="native extension not built")
+def test_cuda_lowering_falls_back_without_peer_access(monkeypatch):
+    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: False)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def body(x, w):
+        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=Config(backend="fused"))
+
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp"))
+    )
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="cannot access GPU"):
+        f.trace(x, w).lower(lowering_platforms=("cuda",))
