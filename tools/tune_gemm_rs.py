@@ -183,6 +183,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--skip-rs", action="store_true")
+    ap.add_argument("--rs-only", action="store_true")
     args = ap.parse_args()
     devs = jax.devices()
     tp = 2
@@ -192,7 +193,7 @@ def main():
     if args.quick:
         variants = [(2, 8, False), (2, 4, False)]
     rs = [] if args.skip_rs else rs_rows(mesh, tp, [8, 16, 32], [64, 256])
-    rows = gemm_rs_rows(mesh, tp, variants, SHAPES)
+    rows = [] if args.rs_only else gemm_rs_rows(mesh, tp, variants, SHAPES)
     print("\nshape               gemm    xla     rs   fused(best)  fused/gemm  xla/fused  best")
     for r in rows:
         ms = r["ms"]

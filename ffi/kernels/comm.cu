@@ -76,11 +76,44 @@ __device__ void sender(const CommArgs& a, char* smem, uint64_t* mbar, int b) {
   }
 }
 
+// 8 packed 16-bit floats <-> f32, on whole 32-bit words (element access through a T* would make
+// the compiler split 16-byte shared loads into 2-byte ones, with bank conflicts).
+__device__ __forceinline__ float2 unpack2(uint32_t w, const __nv_bfloat16*) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, const __half*) {
+  __half2 h;
+  memcpy(&h, &w, sizeof(h));
+  return __half22float2(h);
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b, const __nv_bfloat16*) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // round to nearest even, like static_cast
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b, const __half*) {
+  __half2 h = __floats2half2_rn(a, b);
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
 template <typename T>
-__device__ __forceinline__ void add8(float* acc, const uint4& v) {
-  const T* h = reinterpret_cast<const T*>(&v);
+__device__ __forceinline__ void add8(float* acc, const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] += static_cast<float>(h[i]);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2(w[i], (const T*)nullptr);
+    acc[2 * i] += f.x;
+    acc[2 * i + 1] += f.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float* acc) {
+  return make_uint4(pack2(acc[0], acc[1], (const T*)nullptr), pack2(acc[2], acc[3], (const T*)nullptr),
+                    pack2(acc[4], acc[5], (const T*)nullptr), pack2(acc[6], acc[7], (const T*)nullptr));
 }
 
 // Receiver CTA: per chunk, wait for every peer's arrival, then for each of its pieces TMA-load
@@ -148,11 +181,7 @@ __device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) 
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int s = 0; s < n; ++s)
           if (srcs[s]) add8<T>(acc, reinterpret_cast<const uint4*>(in_buf(st, s))[v]);
-        uint4 o;
-        T* h = reinterpret_cast<T*>(&o);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = static_cast<T>(acc[j]);
-        reinterpret_cast<uint4*>(out_buf(st))[v] = o;
+        reinterpret_cast<uint4*>(out_buf(st))[v] = pack8<T>(acc);
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA store
       __syncthreads();
