@@ -2,17 +2,23 @@
 
 Call the ops inside ``jax.shard_map``; each equals its lax composition (see `jaxoverlap.reference`)
 and runs it wherever the fused GPU path cannot run (CPU, other GPUs, unsupported shapes).
-Importing this package never initialises CUDA.
+`overlap` substitutes them into unchanged shard_map code; `matmul` picks them for global-view
+jitted code. Importing this package never initialises CUDA.
 """
 
 from jaxoverlap.config import Config
 from jaxoverlap.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from jaxoverlap.overlap import explain, overlap
+from jaxoverlap.partitioning import matmul
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config",
     "all_gather_matmul",
+    "explain",
+    "matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "overlap",
 ]

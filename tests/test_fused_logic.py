@@ -61,11 +61,16 @@ def test_missing_extension_is_the_reason(monkeypatch):
 def test_auto_only_where_measurements_predict_a_win(native_ok):
     assert "measurements do not predict a win" in _reason((1024, 512), (512, 768))
     assert "measurements do not predict a win" in _reason((8192, 4096), (4096, 8192), n=4)
-    for (m, k, n_cols), setting in fused.MEASURED_WINS.items():
-        assert _reason((m, k), (k, n_cols)) is None
-        assert fused.predicted_setting(m, k, n_cols, 2) == setting
-    assert fused.predicted_setting(4096, 8192, 6144, 2) == fused._AUTO_DEFAULT
-    assert fused.predicted_setting(1024, 8192, 8192, 2) is None
+    # The benchmark shapes: fused where the measured gain clears the noise (K_local <= 8192).
+    for (m, k, n_cols), setting in fused.MEASURED_SETTINGS.items():
+        reason = _reason((m, k), (k, n_cols))
+        assert reason is None if k <= 8192 else "do not predict a win" in reason
+        assert fused.measured_setting(m, k, n_cols) == setting
+    assert "do not predict a win" in _reason((8192, 14336), (14336, 8192))
+    assert fused.auto_predicts_win(4096, 8192, 6144, 2)
+    assert fused.measured_setting(4096, 8192, 6144) == fused._DEFAULT_SETTING
+    assert not fused.auto_predicts_win(1024, 8192, 8192, 2)
+    assert not fused.auto_predicts_win(8192, 4096, 8192, 4)
 
 
 def test_choose_chunks():

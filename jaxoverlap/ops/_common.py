@@ -46,12 +46,22 @@ def group_size(op, names):
         if env.axis_exists(name) and name in manual:
             continue
         if not manual:
+            if env.axis_exists(name):
+                raise ValueError(
+                    f"jaxoverlap.{op}: axis {name!r} is bound, but no shard_map makes it manual "
+                    f"here (a vmap/pmap axis, or a custom_partitioning body?). Call the op inside "
+                    f"jax.shard_map over a mesh with axis {name!r}."
+                )
             raise ValueError(
                 f"jaxoverlap.{op}: called outside jax.shard_map (axis {name!r} is not bound). "
                 f"Call it inside a function mapped with jax.shard_map(..., mesh=mesh) whose "
                 f"mesh has an axis named {name!r}, or use jaxoverlap.matmul for global-view code."
             )
-        kind = "a vmap/pmap axis" if env.axis_exists(name) else "not an axis of the mesh"
+        kind = (
+            "bound, but not a manual axis of the enclosing shard_map (a vmap/pmap axis?)"
+            if env.axis_exists(name)
+            else "not an axis of the mesh"
+        )
         raise ValueError(
             f"jaxoverlap.{op}: unknown axis name {name!r} ({kind}). The shard_map axes bound "
             f"here are {tuple(sorted(manual, key=str))}; pass one of them (or a tuple of them)."
