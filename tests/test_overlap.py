@@ -71,6 +71,12 @@ def test_check_vma_false():
     assert after["psum"] == after["reduce_scatter"] == 0, after
     assert_tree_close(jax.jit(new)(x, w), jax.jit(f)(x, w), TOL[jnp.float32])
 
+    def loss(fn):
+        return lambda x, w: sum(jnp.sum(o * o) for o in fn(x, w))
+
+    grads = jax.jit(jax.grad(loss(new), (0, 1)))(x, w)
+    assert_tree_close(grads, jax.jit(jax.grad(loss(f), (0, 1)))(x, w), TOL[jnp.float32])
+
 
 def test_explicit_mesh_under_set_mesh():
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)

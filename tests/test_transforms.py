@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from harness import TOL, P, assert_close, make_mesh, place, random
 
@@ -195,3 +196,45 @@ def test_check_vma_false_and_replicated_weight():
         assert_close(got[0], want[0], F32, f"value check_vma={check_vma}")
         for g, r in zip(got[1], want[1]):
             assert_close(g, r, F32, f"grad check_vma={check_vma}")
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grads_with_and_without_check_vma(op, check_vma):
+    """Gradients equal the reference's whether or not shard_map tracks varying axes (without it,
+    the transpose of the all-reduce must be an explicit psum)."""
+    mesh, fn, ref, x, w, in_specs, out_spec = _setup(op)
+    ct = random(
+        jax.random.key(7),
+        jax.eval_shape(
+            jax.shard_map(ref, mesh=mesh, in_specs=in_specs, out_specs=out_spec), x, w
+        ).shape,
+        jnp.float32,
+    )
+
+    def value_and_grads(f):
+        g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)
+        loss = lambda x, w: jnp.sum(g(x, w) * ct)  # noqa: E731
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+    (got, got_g), (want, want_g) = value_and_grads(fn), value_and_grads(ref)
+    assert_close(got, want, F32, f"{op} value")
+    for name, g, r in zip(("dx", "dw"), got_g, want_g):
+        assert_close(g, r, F32, f"{op} {name} check_vma={check_vma}")
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_float64_gradients_are_float64_accurate(op):
+    with jax.enable_x64(True):
+        mesh, fn, ref, x, w, in_specs, out_spec = _setup(op)
+        x, w = place(mesh, (x.astype(jnp.float64), w.astype(jnp.float64)), in_specs)
+
+        def grads(f):
+            g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+            with jax.set_mesh(mesh):
+                return jax.jit(jax.grad(lambda x, w: jnp.sum(g(x, w) ** 2), (0, 1)))(x, w)
+
+        for g, r in zip(grads(fn), grads(ref)):
+            assert g.dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)

@@ -241,8 +241,9 @@ def batch_rule(bind, dim_name):
 def contract_leading(a, b):
     """``sum over the leading dims of a [..., K] and b [..., N]`` -> ``[K, N]`` (dW of a matmul).
 
-    Accumulates in float32 (as the forward GEMM does): dW sums over every row of the batch.
+    Accumulates in at least float32 (as the forward GEMM does): dW sums over every row.
     """
     lead = tuple(range(a.ndim - 1))
-    out = lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    out = lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=acc)
     return out.astype(a.dtype)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
+from jax._src import config as jax_config
 from jax._src import core
 from jax.interpreters import ad, batching
 
@@ -61,18 +63,26 @@ _common.register_lowerings(matmul_all_reduce_p, OP, reference.matmul_all_reduce)
 
 
 # ----------------------------------------------------------------------------- autodiff, batching
-# The transpose of a sum over the group hands every device the same cotangent (typed varying
-# again by pvary); what is left is a plain matmul: no communication in the backward pass.
+# The transpose of a sum over the group hands every device the sum of the cotangents. With
+# check_vma=True the cotangent is typed invariant (already that sum) and only needs the no-op
+# pvary; with check_vma=False nothing says so, and the transpose is a psum, as for lax.psum.
+# What is left is a plain matmul.
+
+
+def _summed_ct(ct, axis_name):
+    if jax_config._check_vma.value:
+        return core.pvary(ct, axis_name)
+    return lax.psum(ct, axis_name)
 
 
 def _transpose_x(ct, x, w, *, axis_name, config):
     del x, config
-    return jnp.matmul(core.pvary(ct, axis_name), jnp.transpose(w))
+    return jnp.matmul(_summed_ct(ct, axis_name), jnp.transpose(w))
 
 
 def _transpose_w(ct, x, w, *, axis_name, config):
     del w, config
-    return _common.contract_leading(x, core.pvary(ct, axis_name))
+    return _common.contract_leading(x, _summed_ct(ct, axis_name))
 
 
 ad.defbilinear(matmul_all_reduce_p, _transpose_x, _transpose_w)

@@ -28,6 +28,7 @@ from jax._src import linear_util as lu
 from jax._src import shard_map as shard_map_lib
 from jax._src.interpreters import partial_eval as pe
 from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
+from jax.extend.core import ClosedJaxpr  # public alias; jax 0.12 merged it into Jaxpr
 
 from jaxoverlap.rewrite.patterns import Candidate, Match, find_matches
 
@@ -64,7 +65,7 @@ class _State:
         )
 
 
-def rewrite_closed_jaxpr(closed: core.ClosedJaxpr, config=None):
+def rewrite_closed_jaxpr(closed: ClosedJaxpr, config=None):
     """``closed`` with the jaxoverlap ops spliced in, and the list of `Candidate` found.
 
     Must run in the context the jaxpr was traced in (inside the same shard_map trace if it was
@@ -73,7 +74,7 @@ def rewrite_closed_jaxpr(closed: core.ClosedJaxpr, config=None):
     state = _State(config=config, candidates=[])
     jaxpr = _rewrite_jaxpr(closed.jaxpr, state)
     if jaxpr is not closed.jaxpr:
-        closed = core.ClosedJaxpr(jaxpr, closed.consts)
+        closed = ClosedJaxpr(jaxpr, closed.consts)
     return closed, state.candidates
 
 
@@ -127,11 +128,11 @@ def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
 def _rewrite_param(value, state: _State):
     if isinstance(value, core.Jaxpr):
         return _rewrite_jaxpr(value, state)
-    if isinstance(value, core.ClosedJaxpr):
+    if isinstance(value, ClosedJaxpr):
         jaxpr = _rewrite_jaxpr(value.jaxpr, state)
-        return value if jaxpr is value.jaxpr else core.ClosedJaxpr(jaxpr, value.consts)
+        return value if jaxpr is value.jaxpr else ClosedJaxpr(jaxpr, value.consts)
     if isinstance(value, (tuple, list)) and any(
-        isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value
+        isinstance(v, (core.Jaxpr, ClosedJaxpr)) for v in value
     ):
         new = [_rewrite_param(v, state) for v in value]
         if all(a is b for a, b in zip(new, value, strict=True)):
