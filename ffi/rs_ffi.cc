@@ -1,7 +1,10 @@
 // FFI handler of the standalone TMA reduce-scatter (jaxoverlap_rs_v1), used by the bandwidth
 // benchmark: x [rows, ...] on each rank, result [rows / n, ...] = sum over ranks of block r, in
-// rank order. Half of the comm partition's CTAs push blocks to their owners with TMA, the other
-// half sum the arrived chunks while later chunks are still in flight.
+// rank order. n == 2: every comm CTA seeds its part of the own block into the staging slot and
+// adds its part of the peer's block into the peer's slot with TMA bulk adds (reduce_push_kernel),
+// then copies the finished slot out. n > 2: half of the comm partition's CTAs push blocks to their
+// owners with TMA, the other half sum the arrived chunks in rank order.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -61,6 +64,15 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   // profile == 1 (tools only): pushes without the receive-side sum (result is garbage), to
   // measure the NVLink push alone on comm_sms / 2 CTAs.
   c.receivers = profile == 1 ? 0 : (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
+  // n == 2: reduce-push on every comm CTA (the adds happen at the destination, no receivers);
+  // profile == 2 (tools only) keeps the senders/receivers schedule for comparison. Both ranks
+  // must run the same CTA count (CTA b pairs with the peer's CTA b): the granted partition size
+  // is the same on identical devices.
+  if (n == 2 && profile == 0) {
+    c.reduce_push = 1;
+    c.senders = (int)std::min<int64_t>(std::min<int64_t>(comm_sms, part->comm_sms), kMaxSenders);
+    c.receivers = 0;
+  }
   c.src_by_step = 0;
   c.wait_ready = 0;
   c.signal_reduced = 0;

@@ -70,6 +70,7 @@ const char* what_name(int what) {
     case kWaitSlotFree: return "the peer to release its staging slot from the previous call";
     case kWaitArrival: return "the peer's pushed chunk";
     case kWaitReduced: return "the local sum of the peers' chunk";
+    case kWaitAccReady: return "the peer to seed its accumulator with its own block";
   }
   return "a flag";
 }

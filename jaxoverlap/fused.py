@@ -231,8 +231,11 @@ def tma_reduce_scatter(
     """``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`` with jaxoverlap's TMA
     kernel (private-ish; for the bandwidth benchmark). Call inside ``jax.shard_map`` on GPUs.
 
-    Half of ``comm_sms`` CTAs push each rank's blocks to their owners over NVLink with TMA, the
-    other half sum the arrived chunks in rank order (bitwise repeatable). bf16/f16 only; the
+    Two ranks: each of ``comm_sms`` CTAs seeds its part of the own block into a staging
+    accumulator, adds its part of the peer's block into the peer's accumulator with TMA bulk adds
+    over NVLink (one add per element, so bitwise repeatable), and copies the finished accumulator
+    out. More ranks: half of the CTAs push each rank's blocks to their owners with TMA, the other
+    half sum the arrived chunks in rank order (bitwise repeatable). bf16/f16 only; the
     block of each rank must split into ``chunks`` multiples of 16 bytes. Off CUDA (or for other
     dtypes) this is plain ``lax.psum_scatter``.
     """

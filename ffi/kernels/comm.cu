@@ -200,6 +200,103 @@ __device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) 
   }
 }
 
+// One thread moves `bytes` from src to dst (either may be on a peer) through `stages` smem
+// pieces of kPieceBytes: its pieces are b, b + nb, ... of kPieceBytes each. Loads run ahead;
+// one store stays in flight while the stage before it is refilled. `before_store` runs once
+// after the first loads are issued and before the first store (the place for a flag wait).
+// add: the store is a TMA bulk add at the destination (bf16 / f16, .noftz).
+template <typename Pre>
+__device__ void bulk_move(char* dst, const char* src, int64_t bytes, int b, int nb, char* smem,
+                          uint64_t* mbar, int stages, uint32_t& it, bool add, DType dt,
+                          Pre before_store) {
+  const int64_t pieces = (bytes + kPieceBytes - 1) / kPieceBytes;
+  const int64_t mine = pieces > b ? (pieces - 1 - b) / nb + 1 : 0;
+  auto off = [&](int64_t i) { return (b + i * nb) * (int64_t)kPieceBytes; };
+  auto len = [&](int64_t i) {
+    return (uint32_t)(bytes - off(i) < kPieceBytes ? bytes - off(i) : kPieceBytes);
+  };
+  auto load = [&](int64_t i) {
+    const uint32_t st = (it + i) % stages;
+    mbar_expect_tx(&mbar[st], len(i));
+    tma_load(smem + st * kPieceBytes, src + off(i), len(i), &mbar[st]);
+  };
+  tma_wait_read<0>();  // the previous call's last stores have read their stages
+  for (int64_t i = 0; i < mine && i < stages; ++i) load(i);
+  before_store();
+  for (int64_t i = 0; i < mine; ++i) {
+    const uint32_t st = (it + i) % stages;
+    mbar_wait(&mbar[st], ((it + i) / stages) & 1u);
+    if (!add)
+      tma_store(dst + off(i), smem + st * kPieceBytes, len(i));
+    else if (dt == DType::kBF16)
+      tma_reduce_add_bf16(dst + off(i), smem + st * kPieceBytes, len(i));
+    else
+      tma_reduce_add_f16(dst + off(i), smem + st * kPieceBytes, len(i));
+    tma_commit();
+    if (i >= 1 && i - 1 + stages < mine) {
+      tma_wait_read<1>();  // the store of piece i - 1 has read its stage
+      load(i - 1 + stages);
+    }
+  }
+  it += (uint32_t)mine;
+}
+
+// Reduce-push (n == 2), CTA b of nb; accumulator = this rank's staging slot. Warp 1's lane 0
+// seeds the accumulator with the own block (chunk by chunk, releasing acc_ready to the peer),
+// then copies each chunk of the accumulator to the output once the peer's add has arrived. Warp
+// 0's lane 0 adds its pieces of the peer's block into the peer's accumulator (after the peer's
+// acc_ready) and releases arrive. The pair (rank r, CTA b) only ever waits on (peer, CTA b).
+__global__ void __launch_bounds__(kReducePushThreads, 1)
+    reduce_push_kernel(const __grid_constant__ CommArgs a) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t mbar[kPushStages + kLocalStages];
+  const Peers& p = a.peers;
+  const int r = p.rank, s = 1 - r, b = blockIdx.x, nb = gridDim.x;
+  if (threadIdx.x % 32 != 0) return;
+  Flags* local = p.flags[r];
+  const uint32_t e = call_target(p);
+  const int64_t chunk_bytes = a.block_bytes / a.chunks;
+  const bool signal = a.stall_rank != r;
+  uint32_t it = 0;
+  if (threadIdx.x == 0) {  // push: my block for the peer, added into its accumulator
+    uint64_t* mb = mbar;
+    for (int i = 0; i < kPushStages; ++i) mbar_init(&mb[i], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const char* src = a.src + (int64_t)s * a.block_bytes;
+    char* acc = p.stage[s];  // n == 2: the peer's only slot
+    for (int k = 0; k < a.chunks; ++k) {
+      bulk_move(acc + k * chunk_bytes, src + k * chunk_bytes, chunk_bytes, b, nb, smem, mb,
+                kPushStages, it, true, a.dtype, [&] {
+                  wait_flag(&local->acc_ready[s][k][b], e, true, a.timeout_ns, a.err, p,
+                            {a.op, kWaitAccReady, s, k});
+                  fence_proxy_async();  // the peer's seed (acquired above) before our adds
+                });
+      tma_wait_all();  // adds complete and visible before the release
+      if (signal) st_release_sys(&p.flags[s]->arrive[r][k][b], e);
+    }
+  } else if (threadIdx.x == 32) {  // seed, then copy out
+    char* st = smem + kPushStages * kPieceBytes;
+    uint64_t* mb = mbar + kPushStages;
+    for (int i = 0; i < kLocalStages; ++i) mbar_init(&mb[i], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    char* acc = p.stage[r];
+    for (int k = 0; k < a.chunks; ++k) {
+      bulk_move(acc + k * chunk_bytes, a.own + k * chunk_bytes, chunk_bytes, b, nb, st, mb,
+                kLocalStages, it, false, a.dtype, [] {});
+      tma_wait_all();
+      if (signal) st_release_sys(&p.flags[s]->acc_ready[r][k][b], e);
+    }
+    for (int k = 0; k < a.chunks; ++k) {
+      wait_flag(&local->arrive[s][k][b], e, true, a.timeout_ns, a.err, p,
+                {a.op, kWaitArrival, s, k});
+      fence_proxy_async();  // the peer's adds (acquired above) before our TMA reads
+      bulk_move(a.out + k * chunk_bytes, acc + k * chunk_bytes, chunk_bytes, b, nb, st, mb,
+                kLocalStages, it, false, a.dtype, [] {});
+    }
+    tma_wait_all();
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kCommThreads, 1) comm_kernel(const __grid_constant__ CommArgs a) {
   extern __shared__ __align__(128) char smem[];
@@ -253,15 +350,23 @@ cudaError_t preload_comm_kernels() {
   if ((e = cudaFuncSetAttribute(comm_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 kCommSmem)))
     return e;
+  if ((e = cudaFuncSetAttribute(reduce_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kReducePushSmem)))
+    return e;
   const void* fns[] = {(const void*)comm_kernel<__nv_bfloat16>, (const void*)comm_kernel<__half>,
                        (const void*)signal_ready_kernel,        (const void*)wait_chunk_kernel,
-                       (const void*)release_slots_kernel,       (const void*)finish_kernel};
+                       (const void*)release_slots_kernel,       (const void*)finish_kernel,
+                       (const void*)reduce_push_kernel};
   for (const void* f : fns)
     if ((e = cudaFuncGetAttributes(&attr, f))) return e;
   return cudaSuccess;
 }
 
 cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream) {
+  if (a.reduce_push) {
+    reduce_push_kernel<<<a.senders, kReducePushThreads, kReducePushSmem, stream>>>(a);
+    return cudaGetLastError();
+  }
   const int grid = a.senders + a.receivers;
   if (a.dtype == DType::kBF16)
     comm_kernel<__nv_bfloat16><<<grid, kCommThreads, kCommSmem, stream>>>(a);

@@ -45,7 +45,20 @@ struct CommArgs {
   uint64_t timeout_ns;
   ErrorRecord* err;
   DType dtype;
+  int32_t reduce_push;    // n == 2 only: the reduce-push schedule (reduce_push_kernel), not the
+                          // senders/receivers one; senders = CTAs, receivers unused
 };
+
+// Reduce-push schedule (standalone reduce-scatter, n == 2): every CTA b seeds its pieces of the
+// own block into the local accumulator (staging slot) and signals acc_ready to the peer, pushes
+// its pieces of the peer's block with a TMA bulk add into the peer's accumulator and signals
+// arrive, then copies its pieces of the finished accumulator to the output. One add of two
+// operands per element: bitwise deterministic.
+constexpr int kReducePushThreads = 64;  // warp 0: push, warp 1: seed + copy-out
+constexpr int kPushStages = 3, kLocalStages = 3;
+static_assert(kPushStages + kLocalStages <= kStages, "reduce-push shares the sender mbarriers");
+constexpr int kReducePushSmem = (kPushStages + kLocalStages) * kPieceBytes;
+static_assert(kReducePushSmem <= kCommSmem, "reduce-push smem");
 
 cudaError_t preload_comm_kernels();  // force-load every kernel below on the current device
 cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream);

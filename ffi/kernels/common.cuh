@@ -18,6 +18,7 @@ enum WaitWhat : int32_t {
   kWaitSlotFree = 2,   // comm kernel waited for a peer to release its staging slot (last call)
   kWaitArrival = 3,    // a consumer waited for a peer's pushed chunk
   kWaitReduced = 4,    // the GEMM waited for the locally reduced peer sum (n > 2)
+  kWaitAccReady = 5,   // reduce-push: waited for the owner to seed its accumulator
 };
 
 // Lives in host-mapped pinned memory so the host can read it even after the kernel trapped.
@@ -36,6 +37,8 @@ struct Flags {
   uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
   uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
   uint32_t reduced[kMaxChunks][kMaxSenders];               // n > 2: [chunk][receiver CTA]
+  uint32_t acc_ready[kMaxRanks][kMaxChunks][kMaxSenders];  // [owner rank][chunk][CTA]: the
+                                                           // owner's accumulator holds its block
 };
 
 // The group as a kernel sees it (passed by value, __grid_constant__).
@@ -167,6 +170,20 @@ __device__ __forceinline__ void tma_store(void* gmem, const void* smem, uint32_t
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem),
                "r"(smem_u32(smem)), "r"(bytes)
                : "memory");
+}
+// shared -> global (local or peer) element-wise add, done at the destination; 16-bit floats
+// need .noftz. Each element's add is a single correctly rounded operation.
+__device__ __forceinline__ void tma_reduce_add_bf16(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(gmem),
+      "r"(smem_u32(smem)), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_f16(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(gmem),
+      "r"(smem_u32(smem)), "r"(bytes)
+      : "memory");
 }
 __device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N>
