@@ -189,7 +189,10 @@ _STALL_SCRIPT = textwrap.dedent(
     from jaxoverlap import fused, runtime
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     cfg = jaxoverlap.Config(backend="fused", timeout_s=1.0)
-    f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    if sys.argv[1] == "gemm_rs":
+        f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    else:  # the standalone reduce-scatter's schedule (reduce-push at n = 2)
+        f = lambda x, w: fused.tma_reduce_scatter(x @ w, "tp", comm_sms=8, timeout_s=1.0)
     x = jax.random.normal(jax.random.key(0), (1024, 1024), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (1024, 512), jnp.bfloat16)
     with fused._stalled_rank_for_tests(1):
@@ -207,10 +210,11 @@ _STALL_SCRIPT = textwrap.dedent(
 )
 
 
-def test_stalled_peer_errors_instead_of_hanging(gpus):
+@pytest.mark.parametrize("kernel", ["gemm_rs", "rs"])
+def test_stalled_peer_errors_instead_of_hanging(gpus, kernel):
     t0 = time.time()
     p = subprocess.run(
-        [sys.executable, "-c", _STALL_SCRIPT],
+        [sys.executable, "-c", _STALL_SCRIPT, kernel],
         capture_output=True,
         text=True,
         timeout=120,
