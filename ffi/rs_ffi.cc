@@ -44,6 +44,7 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   Partition* part;
   Workspace* ws;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
+  std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
   if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
   if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())

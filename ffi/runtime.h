@@ -28,8 +28,13 @@ struct DeviceRuntime {
   int total_sms = 0;
   cudaEvent_t fork = nullptr, gemm_done = nullptr, comm_done = nullptr;
   GemmRunner gemm;
-  std::map<int, Partition> partitions;  // by requested comm SMs; touched by this device's thread
+  std::map<int, Partition> partitions;  // by requested comm SMs; created under the global lock
   bool kernels_loaded = false;
+  // Held by a handler from setup to its last launch: the fork/join events, the GEMM plans and
+  // the workspaces' warm-up state are shared by every call on this device, and XLA runs one
+  // thread per device, but nothing stops two programs (two Python threads) from calling a
+  // handler on the same device at once. Host-side only: it never waits on GPU work of a peer.
+  std::mutex launch_mu;
 };
 
 // Lazily created; "" on success.

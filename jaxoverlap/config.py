@@ -30,7 +30,8 @@ class Config:
       timeout_s: bound on every cross-GPU wait. A peer that does not signal within this time
         makes the op fail with an error naming the op, rank, peer and chunk, instead of hanging.
       deterministic: add partial sums in a fixed order, so equal inputs give equal bits on every
-        run. ``False`` allows arrival-order reductions where the kernel offers them.
+        run. ``False`` allows arrival-order reductions where a kernel offers them; today's
+        kernels always reduce in a fixed order, so it changes nothing yet.
     """
 
     backend: Backend = "auto"

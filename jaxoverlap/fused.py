@@ -149,7 +149,11 @@ def unsupported_reason(op, x, w, params, axis_size):
     m_total = _rows(x.shape)
     if k % 8 or n_cols % 8:
         return f"K={k} and N={n_cols} must be multiples of 8"
-    if x.ndim > 1 and x.shape[0] % n:
+    if x.ndim < 2:
+        return f"x has rank {x.ndim}: scatter_dimension=0 is then N, not rows of x[..., K]"
+    if m_total == 0:
+        return "x has no rows"
+    if x.shape[0] % n:
         return f"dimension 0 ({x.shape[0]}) is not divisible by the group size {n}"
     m = m_total // n
     config = params["config"]
@@ -253,6 +257,11 @@ def tma_reduce_scatter(
 def _rs_abstract(x, *, axis_name, comm_sms, chunks, timeout_s):
     del comm_sms, chunks, timeout_s
     n = math.prod(core.get_axis_env().axis_size(a) for a in axis_name)
+    if x.ndim < 1 or x.shape[0] % n:
+        raise ValueError(
+            f"tma_reduce_scatter: dimension 0 of x{tuple(x.shape)} must be divisible by the "
+            f"group size {n} of axis {axis_name}"
+        )
     return x.update(shape=(x.shape[0] // n, *x.shape[1:]))
 
 
@@ -270,6 +279,11 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
         )
     table = _group_table(ctx, axis_name)
     block_bytes = aval.size * aval.dtype.itemsize // table.n
+    if block_bytes % 16:
+        raise ValueError(
+            f"tma_reduce_scatter: each rank's block ({block_bytes} bytes of x{tuple(aval.shape)}) "
+            f"must be a multiple of 16 bytes for TMA"
+        )
     if chunks is None:
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
