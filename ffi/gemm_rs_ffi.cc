@@ -87,11 +87,6 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     ws->warmed[rank] = true;
   }
 
-  cudaError_t ce;
-#define CK(call)                                                        \
-  if ((ce = (call)) != cudaSuccess) {                                   \
-    return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
-  }
   CK(cudaEventRecord(dev->fork, xla_stream));
   CK(cudaStreamWaitEvent(part->gemm, dev->fork));
   CK(cudaStreamWaitEvent(part->comm, dev->fork));
@@ -141,32 +136,17 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       return internal(kWhat, e);
   }
   if (communicate) CK(launch_release_slots(peers, part->gemm));
-  CK(cudaEventRecord(dev->gemm_done, part->gemm));
-  CK(cudaEventRecord(dev->comm_done, part->comm));
-  CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
-  CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
-  CK(launch_finish(local, xla_stream));
-#undef CK
-  return ffi::Error::Success();
+  return join(kWhat, xla_stream, dev, part, /*gemm=*/true, local);
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x [..., K]
-                                  .Arg<xla::ffi::AnyBuffer>()  // w [K, N]
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [rows / n, ..., N]
-                                  .Attr<int64_t>("site")
-                                  .Attr<xla::ffi::Span<const int32_t>>("ordinals")
-                                  .Attr<xla::ffi::Span<const int32_t>>("ranks")
-                                  .Attr<xla::ffi::Span<const int32_t>>("groups")
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("comm_sms")
-                                  .Attr<int64_t>("chunks")
-                                  .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("stall_rank")
-                                  .Attr<int64_t>("profile"));
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
+                                      .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>()));  // out [rows / n, ..., N]

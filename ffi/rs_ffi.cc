@@ -83,38 +83,20 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   c.err = err;
   c.dtype = dtype;
 
-  cudaError_t ce;
-#define CK(call)                                                                \
-  if ((ce = (call)) != cudaSuccess) {                                           \
-    return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
-  }
   CK(cudaEventRecord(dev->fork, xla_stream));
   CK(cudaStreamWaitEvent(part->comm, dev->fork));
   CK(launch_comm(c, part->comm));
   CK(launch_release_slots(peers, part->comm));
-  CK(cudaEventRecord(dev->comm_done, part->comm));
-  CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
-  CK(launch_finish(peers.flags[rank], xla_stream));
-#undef CK
-  return ffi::Error::Success();
+  return join(kWhat, xla_stream, dev, part, /*gemm=*/false, peers.flags[rank]);
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapRsV1, jaxoverlap::RsImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x [rows, ...]
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [rows / n, ...]
-                                  .Attr<int64_t>("site")
-                                  .Attr<xla::ffi::Span<const int32_t>>("ordinals")
-                                  .Attr<xla::ffi::Span<const int32_t>>("ranks")
-                                  .Attr<xla::ffi::Span<const int32_t>>("groups")
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("comm_sms")
-                                  .Attr<int64_t>("chunks")
-                                  .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("stall_rank")
-                                  .Attr<int64_t>("profile"));
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()    // x [rows, ...]
+                                      .Ret<xla::ffi::AnyBuffer>()));  // out [rows / n, ...]
