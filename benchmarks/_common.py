@@ -29,6 +29,15 @@ for _var, _val in (
 ):
     os.environ.setdefault(_var, _val)
 
+# The BENCHMARKS.md shapes, M x K_local x N (also swept by tools/tune_gemm_rs.py).
+SHAPES = [
+    (8192, 4096, 8192),
+    (8192, 14336, 8192),
+    (16384, 8192, 8192),
+    (4096, 4096, 4096),
+    (2048, 8192, 8192),
+]
+
 TIMING = (
     "python loop: per sample, N back-to-back calls of the jitted function, then "
     "jax.block_until_ready on the last output, timed with time.perf_counter; methods of one "
@@ -62,6 +71,54 @@ def finish_args(p, a, target_ms: float, quick_target_ms: float):
     if a.smoke_stand_in and not a.cpu_smoke:
         p.error("--smoke-stand-in is only for --cpu-smoke")
     return a
+
+
+def start(args, seed: int):
+    """Platform, mesh and run info, before any measurement; prints the run's first line."""
+    jax = setup_platform(args.cpu_smoke)
+    mesh, tp = make_mesh(jax, args.tp)
+    info = run_info(args.cpu_smoke)
+    print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
+    return jax, mesh, tp, info
+
+
+def measure_rows(items, measure, done, label):
+    """`measure(item)` for each item, then `done(row)` outside the guard; stops at the first
+    measurement that raises (e.g. a kernel timeout) and keeps the rows before it. Returns the rows
+    and "<label(item)>: <error>" (None when every item was measured)."""
+    rows = []
+    for item in items:
+        try:
+            row = measure(item)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel timeout: keep what was measured
+            crashed = f"{label(item)}: {type(e).__name__}: {e}"
+            print(f"ABORTED at {crashed}", flush=True)
+            return rows, crashed
+        done(row)
+        rows.append(row)
+    return rows, None
+
+
+def results_doc(info: dict, tp: int, seed: int, args, **fields) -> dict:
+    """The results JSON: run info, timing set-up, then the script's `fields` in their order."""
+    return {
+        **info,
+        "tp": tp,
+        "seed": seed,
+        "timing": TIMING,
+        "samples": args.samples,
+        "target_sample_ms": args.target_ms,
+        **fields,
+    }
+
+
+def failed(bad: list[str], sep: str, crashed: str | None) -> bool:
+    """Prints the failed checks (joined by `sep`) and the abort; True if there was either."""
+    if bad:
+        print("FAILED correctness check: " + sep.join(bad))
+    if crashed:
+        print(f"FAILED: aborted at {short(crashed)}")
+    return bool(bad or crashed)
 
 
 def save(args, script: str, info: dict, tp: int, doc: dict, text: str, plot) -> None:
@@ -207,6 +264,48 @@ def bench(fns: dict, *, samples: int, target_ms: float, min_iters: int = 5, max_
     }
 
 
+def median_ms(fn, *args, iters: int, batches: int, warmups: int = 1) -> float:
+    """The tools' timing: after `warmups` calls, the median over `batches` of the ms per call of
+    `iters` back-to-back calls."""
+    import jax
+
+    for _ in range(warmups):
+        jax.block_until_ready(fn(*args))
+    return statistics.median(_time_once(fn, args, iters) for _ in range(batches))
+
+
+def tools_gemm_inputs(mesh, shape, tp: int):
+    """The tools' GEMM inputs (fixed keys, unlike the benchmarks' recorded seed): bf16
+    x [M, K_local * tp] ~ N(0, 1) and w [K, N] ~ N(0, 1) / sqrt(K), both split over K."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m, k_local, n = shape
+    kx, kw = jax.random.split(jax.random.key(m + k_local + n))
+    k = k_local * tp
+    x = jax.device_put(
+        jax.random.normal(kx, (m, k), jnp.bfloat16), NamedSharding(mesh, P(None, "tp"))
+    )
+    w = jax.device_put(
+        (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16),
+        NamedSharding(mesh, P("tp", None)),
+    )
+    return x, w
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| in f32, on the host (b's maximum floored at 1e-6)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = np.asarray(a.astype(jnp.float32))
+    b = np.asarray(b.astype(jnp.float32))
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+
+
 def import_jaxoverlap():
     """The jaxoverlap package, from this checkout when it is not installed."""
     try:
@@ -254,6 +353,22 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+
+
+def save_plot(path: str, title: str, rows, figsize, draw):
+    """Draws `rows` with `draw(ax)` and writes the PNG; its path, or None (no rows, or no
+    matplotlib)."""
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=figsize)
+    draw(ax)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def pyplot():

@@ -34,13 +34,7 @@ import tempfile
 
 import _common as C
 
-SHAPES = [
-    (8192, 4096, 8192),
-    (8192, 14336, 8192),
-    (16384, 8192, 8192),
-    (4096, 4096, 4096),
-    (2048, 8192, 8192),
-]
+SHAPES = C.SHAPES
 SMOKE_SHAPES = [(64, 32, 48), (128, 64, 64)]
 WINDOWED_FLAGS = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
@@ -389,27 +383,19 @@ def report(rows, tp, stand_in):
 
 
 def plot(rows, path, title):
-    plt = C.pyplot()
-    if plt is None or not rows:
-        return None
-    names = ["xla", "xla_windowed", "jaxoverlap", "rs_only"]
-    labels = [f"{r['M']}x{r['K_local']}x{r['N']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(names)
-    for i, m in enumerate(names):
-        vals = [C.ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
-        ax.bar(
-            [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))], vals, width, label=m
-        )
-    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
-    ax.set_xticks(range(len(rows)), labels)
-    ax.set_ylabel("time / gemm_only (lower is better)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    def draw(ax):
+        names = ["xla", "xla_windowed", "jaxoverlap", "rs_only"]
+        labels = [f"{r['M']}x{r['K_local']}x{r['N']}" for r in rows]
+        width = 0.8 / len(names)
+        for i, m in enumerate(names):
+            vals = [C.ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
+            x = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(x, vals, width, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_ylabel("time / gemm_only (lower is better)")
+
+    return C.save_plot(path, title, rows, (11, 4.5), draw)
 
 
 def main(argv=None):
@@ -420,41 +406,35 @@ def main(argv=None):
     win, win_err = {}, "xla_windowed not measured (--windowed off / --cpu-smoke)"
     if args.windowed == "on" or (args.windowed == "auto" and not args.cpu_smoke):
         win, win_err = run_windowed_child(args, seed, args.tp)  # before this process uses a GPU
-    jax = C.setup_platform(args.cpu_smoke)
-    mesh, tp = C.make_mesh(jax, args.tp)
-    info = C.run_info(args.cpu_smoke)
-    print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
+    jax, mesh, tp, info = C.start(args, seed)
     jo = jaxoverlap_fns(jax, mesh, args)
-    rows = []
-    crashed = None
-    for shape in args.shapes:
-        try:
-            row = measure_shape(jax, mesh, tp, shape, args, seed, jo)
-        except Exception as e:  # noqa: BLE001 - e.g. a kernel timeout: keep what was measured
-            crashed = f"{'x'.join(map(str, shape))}: {type(e).__name__}: {e}"
-            print(f"ABORTED at {crashed}", flush=True)
-            break
+
+    def done(row):
         add_windowed(row, win, win_err)
         print(
             json.dumps({k: row[k] for k in ("M", "K_local", "N", "ms", "auto_ms", "notes")}),
             flush=True,
         )
-        rows.append(row)
+
+    rows, crashed = C.measure_rows(
+        args.shapes,
+        lambda shape: measure_shape(jax, mesh, tp, shape, args, seed, jo),
+        done,
+        lambda shape: "x".join(map(str, shape)),
+    )
     text, g = report(rows, tp, args.smoke_stand_in)
-    doc = {
-        **info,
-        "tp": tp,
-        "seed": seed,
-        "timing": C.TIMING,
-        "samples": args.samples,
-        "target_sample_ms": args.target_ms,
-        "check_tolerance_rel": BF16_TOL,
-        "stand_in": args.smoke_stand_in,
-        "fused_config": {"comm_sms": args.comm_sms, "chunks": args.chunks},
-        "geomean": g,
-        "aborted": crashed,
-        "rows": rows,
-    }
+    doc = C.results_doc(
+        info,
+        tp,
+        seed,
+        args,
+        check_tolerance_rel=BF16_TOL,
+        stand_in=args.smoke_stand_in,
+        fused_config={"comm_sms": args.comm_sms, "chunks": args.chunks},
+        geomean=g,
+        aborted=crashed,
+        rows=rows,
+    )
     C.save(args, "matmul_reduce_scatter", info, tp, doc, text, functools.partial(plot, rows))
     print(text)
     bad = [
@@ -463,11 +443,7 @@ def main(argv=None):
         for m, c in r["check"].items()
         if not c["ok"]
     ]
-    if bad:
-        print("FAILED correctness check: " + ", ".join(bad))
-    if crashed:
-        print(f"FAILED: aborted at {C.short(crashed)}")
-    if bad or crashed:
+    if C.failed(bad, ", ", crashed):
         return 1
     if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
         print("FAILED: --require-fused, but the fused path did not run on every shape")

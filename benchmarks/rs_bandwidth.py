@@ -201,78 +201,62 @@ def report(rows, tp, sms, stand_in, why_none):
 
 
 def plot(rows, sms, path, title):
-    plt = C.pyplot()
-    if plt is None or not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, r in enumerate(rows):
-        pts = [(c["comm_sms"], c["busbw_GBs"]) for c in r["tma"] if c["busbw_GBs"]]
-        color = f"C{i}"
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", color=color, label=f"TMA {r['size_MB']:g} MB")
-        ax.axhline(
-            r["nccl"]["busbw_GBs"], color=color, ls="--", lw=1, label=f"NCCL {r['size_MB']:g} MB"
-        )
-    ax.axhline(TARGET["busbw_GBs"], color="k", ls=":", lw=1, label="target")
-    ax.set_xlabel("comm SMs")
-    ax.set_ylabel("bus bandwidth, GB/s")
-    ax.set_xticks(list(sms))
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    def draw(ax):
+        for i, r in enumerate(rows):
+            pts = [(c["comm_sms"], c["busbw_GBs"]) for c in r["tma"] if c["busbw_GBs"]]
+            color = f"C{i}"
+            size = f"{r['size_MB']:g} MB"
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", color=color, label=f"TMA {size}")
+            ax.axhline(r["nccl"]["busbw_GBs"], color=color, ls="--", lw=1, label=f"NCCL {size}")
+        ax.axhline(TARGET["busbw_GBs"], color="k", ls=":", lw=1, label="target")
+        ax.set_xlabel("comm SMs")
+        ax.set_ylabel("bus bandwidth, GB/s")
+        ax.set_xticks(list(sms))
+
+    return C.save_plot(path, title, rows, (8, 4.5), draw)
 
 
 def main(argv=None):
     args = parse_args(argv)
     seed = C.fresh_seed(args.seed)
-    jax = C.setup_platform(args.cpu_smoke)
-    mesh, tp = C.make_mesh(jax, args.tp)
-    info = C.run_info(args.cpu_smoke)
-    print(f"{info['machine']}, jax {info['jax_version']}, tp={tp}, seed={seed}", flush=True)
+    jax, mesh, tp, info = C.start(args, seed)
     call = tma_call(args.smoke_stand_in)
     why_none = call if isinstance(call, str) else None
     if why_none:
         print(f"TMA reduce-scatter UNAVAILABLE: {why_none}; measuring NCCL only", flush=True)
-    rows = []
-    crashed = None
-    for size in args.sizes_mb:
-        try:
-            row = measure_size(jax, mesh, tp, size, args, seed, call)
-        except Exception as e:  # noqa: BLE001 - e.g. a kernel timeout: keep what was measured
-            crashed = f"{size:g} MB: {type(e).__name__}: {e}"
-            print(f"ABORTED at {crashed}", flush=True)
-            break
+
+    def done(row):
         brief = {c["comm_sms"]: c["busbw_GBs"] for c in row["tma"]}
-        print(json.dumps({"size_MB": size, "nccl": row["nccl"]["busbw_GBs"], "tma": brief}))
-        rows.append(row)
+        print(
+            json.dumps({"size_MB": row["size_MB"], "nccl": row["nccl"]["busbw_GBs"], "tma": brief})
+        )
+
+    rows, crashed = C.measure_rows(
+        args.sizes_mb,
+        lambda size: measure_size(jax, mesh, tp, size, args, seed, call),
+        done,
+        lambda size: f"{size:g} MB",
+    )
     text, worst = report(rows, tp, args.sms, args.smoke_stand_in, why_none)
-    doc = {
-        **info,
-        "tp": tp,
-        "seed": seed,
-        "timing": C.TIMING,
-        "samples": args.samples,
-        "target_sample_ms": args.target_ms,
-        "busbw": "bytes * (n - 1) / n / time",
-        "check_tolerance_rel": TOL,
-        "stand_in": args.smoke_stand_in,
-        "tma_unavailable": why_none,
-        "target": TARGET,
-        "worst_best_tma_busbw_GBs": worst,
-        "aborted": crashed,
-        "rows": rows,
-    }
+    doc = C.results_doc(
+        info,
+        tp,
+        seed,
+        args,
+        busbw="bytes * (n - 1) / n / time",
+        check_tolerance_rel=TOL,
+        stand_in=args.smoke_stand_in,
+        tma_unavailable=why_none,
+        target=TARGET,
+        worst_best_tma_busbw_GBs=worst,
+        aborted=crashed,
+        rows=rows,
+    )
     C.save(args, "rs_bandwidth", info, tp, doc, text, functools.partial(plot, rows, args.sms))
     print(text)
     bad = [n for r in rows for n in r["notes"] if "WRONG RESULT" in n]
-    if bad:
-        print("FAILED correctness check: " + "; ".join(bad))
-    if crashed:
-        print(f"FAILED: aborted at {C.short(crashed)}")
-    if bad or crashed:
+    if C.failed(bad, "; ", crashed):
         return 1
     if args.require_tma and (
         why_none or any(c["ms"] is None or c.get("kernel") != "tma" for r in rows for c in r["tma"])

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
+import os
+import sys
 import time
 
 import jax
@@ -28,6 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import fused
+
+# benchmarks/_common.py: the timing and shard_map helpers the benchmarks use.
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
+import _common as C  # noqa: E402
 
 RS_MB = (64, 256)
 SHAPES = [  # most communication-bound first (the budget may cut the list)
@@ -48,26 +55,8 @@ def profile(value):
         fused._profile.reset(token)
 
 
-def bench(f, *args, iters=10, batches=3):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters * 1e3)
-    return statistics.median(ts)
-
-
-def smap(mesh, body, in_specs, out_specs):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-
-
-def rel_err(a, b):
-    a = np.asarray(a.astype(jnp.float32))
-    b = np.asarray(b.astype(jnp.float32))
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+def bench(f, *args):
+    return C.median_ms(f, *args, iters=10, batches=3)
 
 
 def timed(name, row, fn, ref, args, prof=0, tol=2e-2):
@@ -75,7 +64,7 @@ def timed(name, row, fn, ref, args, prof=0, tol=2e-2):
         with profile(prof):  # the lowering reads the profile value
             out = fn(*args)
         if ref is not None:
-            err = rel_err(out, ref)
+            err = C.rel_err(out, ref)
             if err > tol:
                 row[name] = f"WRONG rel err {err:.3g}"
                 return None
@@ -100,8 +89,8 @@ def rs_rows(mesh, tp, deadline):
         nbytes = m * cols * 2
         busbw = lambda t, nb=nbytes: round(nb * (tp - 1) / tp / (t * 1e-3) / 1e9, 1)  # noqa: E731
         spec = (P(None, "tp"), P("tp", None))
-        nccl = smap(
-            mesh, lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True), *spec
+        nccl = C.shard_map(
+            lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True), mesh, *spec
         )
         ref = nccl(y)
         row = dict(MiB=mb)
@@ -111,11 +100,13 @@ def rs_rows(mesh, tp, deadline):
             if time.monotonic() > deadline:
                 break
             name = f"{'staged' if prof else 'rpush'}_{k}"
-            f = smap(mesh, lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k), *spec)
+            f = C.shard_map(
+                lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k), mesh, *spec
+            )
             t = timed(name + "_ms", row, f, ref, (y,), prof, tol=1e-2)
             row[name + "_GBs"] = busbw(t) if t else None
         if not isinstance(row.get("rpush_16_ms"), str):  # bitwise repeatable
-            f = smap(mesh, lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16), *spec)
+            f = C.shard_map(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16), mesh, *spec)
             row["rpush_16_repeatable"] = bool(np.array_equal(np.asarray(f(y)), np.asarray(f(y))))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -127,20 +118,12 @@ def gemm_rs_rows(mesh, tp, deadline, variants, baselines):
     for m, k_local, n in SHAPES:
         if time.monotonic() > deadline:
             break
-        kx, kw = jax.random.split(jax.random.key(m + k_local + n))
-        k = k_local * tp
-        x = jax.device_put(
-            jax.random.normal(kx, (m, k), jnp.bfloat16), NamedSharding(mesh, P(None, "tp"))
-        )
-        w = jax.device_put(
-            (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16),
-            NamedSharding(mesh, P("tp", None)),
-        )
+        x, w = C.tools_gemm_inputs(mesh, (m, k_local, n), tp)
         specs = ((P(None, "tp"), P("tp", None)), P("tp", None))
-        gemm = smap(mesh, jnp.matmul, specs[0], P(None, "tp"))
-        xla = smap(
-            mesh,
+        gemm = C.shard_map(jnp.matmul, mesh, specs[0], P(None, "tp"))
+        xla = C.shard_map(
             lambda x, w: lax.psum_scatter(jnp.matmul(x, w), "tp", scatter_dimension=0, tiled=True),
+            mesh,
             *specs,
         )
         ref = xla(x, w)
@@ -152,9 +135,9 @@ def gemm_rs_rows(mesh, tp, deadline, variants, baselines):
             if time.monotonic() > deadline:
                 break
             cfg = jaxoverlap.Config(backend="fused", chunks=chunks, comm_sms=4)
-            f = smap(
-                mesh,
+            f = C.shard_map(
                 lambda x, w, cfg=cfg: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg),
+                mesh,
                 *specs,
             )
             timed(f"c{chunks}_s4", row, f, ref, (x, w))

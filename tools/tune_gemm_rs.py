@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,61 +25,32 @@ from jax.sharding import PartitionSpec as P
 import jaxoverlap
 from jaxoverlap import fused
 
-SHAPES = [
-    (8192, 4096, 8192),
-    (8192, 14336, 8192),
-    (16384, 8192, 8192),
-    (4096, 4096, 4096),
-    (2048, 8192, 8192),
-]
+# benchmarks/_common.py: the timing and shard_map helpers the benchmarks use.
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
+import _common as C  # noqa: E402
 
 
-def bench(f, *args, iters=20, batches=5):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters * 1e3)
-    return statistics.median(ts)
-
-
-def smap(mesh, body, in_specs, out_specs):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-
-
-def rel_err(a, b):
-    a = np.asarray(a.astype(jnp.float32))
-    b = np.asarray(b.astype(jnp.float32))
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+def bench(f, *args):
+    return C.median_ms(f, *args, iters=20, batches=5, warmups=2)
 
 
 def gemm_rs_rows(mesh, tp, variants, shapes):
     rows = []
     for m, k_local, n in shapes:
-        kx, kw = jax.random.split(jax.random.key(m + k_local + n))
-        k = k_local * tp
-        x = jax.device_put(
-            jax.random.normal(kx, (m, k), jnp.bfloat16), NamedSharding(mesh, P(None, "tp"))
-        )
-        w = jax.device_put(
-            (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16),
-            NamedSharding(mesh, P("tp", None)),
-        )
+        x, w = C.tools_gemm_inputs(mesh, (m, k_local, n), tp)
         specs = ((P(None, "tp"), P("tp", None)), P("tp", None))
-        gemm = smap(mesh, jnp.matmul, specs[0], P(None, "tp"))
+        gemm = C.shard_map(jnp.matmul, mesh, specs[0], P(None, "tp"))
 
         def xla_body(x, w):
             return lax.psum_scatter(jnp.matmul(x, w), "tp", scatter_dimension=0, tiled=True)
 
-        xla = smap(mesh, xla_body, *specs)
+        xla = C.shard_map(xla_body, mesh, *specs)
         y = gemm(x, w)
-        rs = smap(
-            mesh,
+        rs = C.shard_map(
             lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True),
+            mesh,
             P(None, "tp"),
             P("tp", None),
         )
@@ -98,13 +69,13 @@ def gemm_rs_rows(mesh, tp, variants, shapes):
 
             name = "auto" if auto else f"{'gemmonly_' if gemm_only else ''}c{chunks}_s{comm}"
             try:
-                f = smap(mesh, body, *specs)
+                f = C.shard_map(body, mesh, *specs)
                 if gemm_only:  # the GEMM schedule on its partition, no communication
                     with fused._gemm_only_for_tools():
                         jax.block_until_ready(f(x, w))
                     fused_ms[name] = bench(f, x, w)
                     continue
-                err = rel_err(f(x, w), ref)
+                err = C.rel_err(f(x, w), ref)
                 if err > 2e-2:
                     fused_ms[name] = f"WRONG rel err {err:.3g}"
                     continue
@@ -138,9 +109,9 @@ def rs_rows(mesh, tp, sms_list, sizes_mb):
         )
         nbytes = m * cols * 2  # per rank input
         busbw = lambda t, nb=nbytes: nb * (tp - 1) / tp / (t * 1e-3) / 1e9  # noqa: E731
-        nccl = smap(
-            mesh,
+        nccl = C.shard_map(
             lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True),
+            mesh,
             P(None, "tp"),
             P("tp", None),
         )
@@ -148,23 +119,23 @@ def rs_rows(mesh, tp, sms_list, sizes_mb):
         t = bench(nccl, y)
         row = dict(MiB=nbytes / 2**20, nccl_ms=t, nccl_busbw=busbw(t))
         for k in sms_list:
-            f = smap(
-                mesh,
+            f = C.shard_map(
                 lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k),
+                mesh,
                 P(None, "tp"),
                 P("tp", None),
             )
             try:
-                err = rel_err(f(y), ref)
+                err = C.rel_err(f(y), ref)
                 if err > 1e-2:
                     row[f"tma_{k}"] = f"WRONG {err:.3g}"
                     continue
                 t = bench(f, y)
                 row[f"tma_{k}_ms"] = t
                 row[f"tma_{k}_busbw"] = busbw(t)
-                g = smap(
-                    mesh,
+                g = C.shard_map(
                     lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k),
+                    mesh,
                     P(None, "tp"),
                     P("tp", None),
                 )
@@ -193,7 +164,7 @@ def main():
     if args.quick:
         variants = [(2, 8, False), (2, 4, False)]
     rs = [] if args.skip_rs else rs_rows(mesh, tp, [8, 16, 32], [64, 256])
-    rows = [] if args.rs_only else gemm_rs_rows(mesh, tp, variants, SHAPES)
+    rows = [] if args.rs_only else gemm_rs_rows(mesh, tp, variants, C.SHAPES)
     print("\nshape               gemm    xla     rs   fused(best)  fused/gemm  xla/fused  best")
     for r in rows:
         ms = r["ms"]
