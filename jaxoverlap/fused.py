@@ -45,37 +45,57 @@ MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
 DEFAULT_RS_COMM_SMS = 16
 _SUPPORTED = (jnp.bfloat16, jnp.float16)
 
-# Measured on 2x H200 (docs/measurements.md): per-device (M, K, N) at tp=2 -> (chunks, comm_sms)
-# of the fastest fused variant in the tuning runs.
-MEASURED_SETTINGS: dict[tuple[int, int, int], tuple[int, int]] = {
-    (8192, 4096, 8192): (4, 4),
-    (8192, 14336, 8192): (2, 4),
-    (16384, 8192, 8192): (2, 4),
-    (4096, 4096, 4096): (2, 4),
-    (2048, 8192, 8192): (2, 4),
-}
-_DEFAULT_SETTING = (2, 4)  # the setting that won most often
-# backend="auto" goes fused only where the measured gain clears the run-to-run spread (~5 %):
-# at tp=2, M >= 2048, N >= 4096 and 4096 <= K_local <= 8192. The communication to hide shrinks
-# relative to the GEMM as K grows: at K_local = 14336 the fused op measured 1.05, 1.04, 1.01 and
-# 0.95x of XLA over four runs -- no reliable win, so XLA's path. Anything else: XLA's path.
+# Without tuning data (jaxoverlap.tune), the setting that won most often on 2x H200, and a
+# conservative rule for backend="auto": at tp=2, M >= 2048, N >= 4096 and 4096 <= K_local <= 8192
+# the fused op measured faster than XLA beyond the run-to-run spread on every shape tried; the
+# communication to hide shrinks relative to the GEMM as K grows (at K_local = 14336: 1.05, 1.04,
+# 1.01 and 0.95x of XLA over four runs). Anything else takes XLA's path until it is tuned.
+_DEFAULT_SETTING = (2, 4)  # (chunks, comm_sms)
 _AUTO_MIN = (2048, 4096, 4096)
 _AUTO_MAX_K = 8192
 DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best, see above)
 
 
-def measured_setting(m_total, k, n_cols):
-    """(chunks, comm_sms) for the fused kernel: the tuned one for a measured shape, else the
-    setting that won most often."""
-    return MEASURED_SETTINGS.get((m_total, k, n_cols), _DEFAULT_SETTING)
+def tuned(m_total, k, n_cols, dtype, n):
+    """The tuner's entry for this per-device shape on this machine's GPUs, or None."""
+    from jaxoverlap import tune
+
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return None
+    key = tune.Key(
+        "matmul_reduce_scatter", m_total, k, n_cols, str(np.dtype(dtype)), n,
+        devices[0].device_kind,
+    )  # fmt: skip
+    return tune.lookup(key)
 
 
 def auto_predicts_win(m_total, k, n_cols, n):
-    """Whether measurements predict the fused op beats XLA's matmul + psum_scatter."""
+    """The conservative rule used where nothing was tuned (see above)."""
     if n != 2:
         return False  # only tp=2 has been measured
     big_enough = all(v >= lo for v, lo in zip((m_total, k, n_cols), _AUTO_MIN, strict=True))
     return big_enough and k <= _AUTO_MAX_K
+
+
+def _auto_reason(m_total, k, n_cols, dtype, n):
+    """None if backend="auto" should take the fused path, else why not."""
+    entry = tuned(m_total, k, n_cols, dtype, n)
+    shape = f"M={m_total} K={k} N={n_cols} over {n} GPUs"
+    if entry is not None:
+        if entry["choice"] == "fused":
+            return None
+        return (
+            f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
+            f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
+        )
+    if auto_predicts_win(m_total, k, n_cols, n):
+        return None
+    return (
+        f"backend='auto': {shape} is untuned and outside the conservative rule "
+        f"(tp=2, M>=2048, N>=4096, 4096<=K<=8192); run `python -m jaxoverlap.tune --shapes "
+        f"{m_total}x{k}x{n_cols} --tp {n}` to measure it"
+    )
 
 
 _site_ids = itertools.count(1)
@@ -166,11 +186,8 @@ def unsupported_reason(op, x, w, params, axis_size):
     comm_sms = config.comm_sms or DEFAULT_COMM_SMS
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
-    if config.backend == "auto" and not auto_predicts_win(m_total, k, n_cols, n):
-        return (
-            f"backend='auto': measurements do not predict a win over XLA for M={m_total} K={k} "
-            f"N={n_cols} over {n} GPUs (see docs/measurements.md)"
-        )
+    if config.backend == "auto":
+        return _auto_reason(m_total, k, n_cols, x.dtype, n)
     return None
 
 
@@ -214,7 +231,10 @@ def lower(op, ctx, x, w, params):
     table = _group_table(ctx, params["axis_name"])
     config = params["config"]
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    setting = measured_setting(m_total, k, n_cols)
+    entry = tuned(m_total, k, n_cols, x_aval.dtype, table.n)
+    setting = (
+        (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
+    )
     chunks = choose_chunks(m_total // table.n, k, n_cols, config.chunks or setting[0])
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)

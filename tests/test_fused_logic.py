@@ -60,19 +60,32 @@ def test_missing_extension_is_the_reason(monkeypatch):
     assert _reason((1024, 512), (512, 768), backend="fused") == "not built (test)"
 
 
-def test_auto_only_where_measurements_predict_a_win(native_ok):
-    assert "measurements do not predict a win" in _reason((1024, 512), (512, 768))
-    assert "measurements do not predict a win" in _reason((8192, 4096), (4096, 8192), n=4)
-    # The benchmark shapes: fused where the measured gain clears the noise (K_local <= 8192).
-    for (m, k, n_cols), setting in fused.MEASURED_SETTINGS.items():
-        reason = _reason((m, k), (k, n_cols))
-        assert reason is None if k <= 8192 else "do not predict a win" in reason
-        assert fused.measured_setting(m, k, n_cols) == setting
-    assert "do not predict a win" in _reason((8192, 14336), (14336, 8192))
+def test_auto_untuned_uses_the_conservative_rule(native_ok, monkeypatch):
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    assert "outside the conservative rule" in _reason((1024, 512), (512, 768))
+    assert "outside the conservative rule" in _reason((8192, 4096), (4096, 8192), n=4)
+    assert "python -m jaxoverlap.tune --shapes 8192x14336x8192" in _reason(
+        (8192, 14336), (14336, 8192)
+    )
+    assert _reason((8192, 4096), (4096, 8192)) is None
     assert fused.auto_predicts_win(4096, 8192, 6144, 2)
-    assert fused.measured_setting(4096, 8192, 6144) == fused._DEFAULT_SETTING
     assert not fused.auto_predicts_win(1024, 8192, 8192, 2)
     assert not fused.auto_predicts_win(8192, 4096, 8192, 4)
+
+
+def test_auto_follows_the_tuners_measurement(native_ok, monkeypatch):
+    entry = dict(choice="xla", chunks=2, comm_sms=4, ms_xla=1.0, ms_fused=1.01)
+    monkeypatch.setattr(fused, "tuned", lambda *a: entry)
+    # Inside the conservative rule, but measured no faster: XLA's path, saying so.
+    assert "tuned, XLA's path measured" in _reason((8192, 4096), (4096, 8192))
+    entry["choice"] = "fused"
+    # Outside the rule (K=14336, tp=4), but measured faster: fused.
+    assert _reason((8192, 14336), (14336, 8192)) is None
+    assert _reason((8192, 4096), (4096, 8192), n=4) is None
+
+
+def test_tuned_is_none_off_gpu():
+    assert fused.tuned(8192, 4096, 8192, jnp.bfloat16, 2) is None
 
 
 def test_choose_chunks():

@@ -1,7 +1,7 @@
 """Measure the fused GEMM + reduce-scatter against XLA on the GPUs; sweep chunks and comm SMs.
 
-Feeds `jaxoverlap.fused.MEASURED_SETTINGS` and docs/measurements.md. Same timing method as
-BENCHMARKS.md (jitted calls back to back, median of batches), random bf16, every variant checked
+A sweep for docs/measurements.md (the package's own tuner is `python -m jaxoverlap.tune`).
+Same timing method as BENCHMARKS.md (jitted calls back to back, median of batches), random bf16, every variant checked
 against XLA's result before it is timed. Also the standalone TMA reduce-scatter's bus bandwidth
 by SM count against NCCL (``lax.psum_scatter``).
 

@@ -1,0 +1,322 @@
+"""Tuning by measurement: which path and which settings each fused op takes, per shape.
+
+For a key (device kind, op, per-device shape, dtype, group size) the tuner times XLA's own path
+and every candidate setting of the fused kernel on the real GPUs, side by side (round-robin
+samples, medians), checks each fused result against XLA's, and records the outcome in a JSON
+cache on disk. ``backend="auto"`` then takes the fused path exactly where the recorded
+measurement beat XLA by more than the noise (the larger spread of the two, at least 2 %), with
+the fastest setting; where nothing is recorded it uses a conservative rule (`jaxoverlap.fused`)
+and says so once in the log.
+
+    python -m jaxoverlap.tune --shapes 8192x4096x8192,4096x14336x4096 --tp 2
+    python -m jaxoverlap.tune --list            # what the cache holds
+
+From Python, ``jaxoverlap.tune.tune_function(fn, *args)`` tunes every jaxoverlap op that
+``fn`` (e.g. an ``overlap``-ed train step) contains.
+
+The cache lives in ``$XDG_CACHE_HOME/jaxoverlap`` (default ``~/.cache/jaxoverlap``), one file
+per fingerprint of what the timings depend on (jaxlib version, the native extension's build,
+the GPU driver), so a rebuilt extension or a new driver starts empty. Decisions are taken once,
+at lowering, in the one process that drives every GPU of the group, so all ranks agree. (Several
+processes per group are not supported yet; each would read its own cache and must agree.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+log = logging.getLogger("jaxoverlap")
+CACHE_VERSION = 1
+NOISE_FLOOR = 0.02  # "faster" needs at least this margin (BENCHMARKS.md timing protocol)
+# Candidate settings of the fused GEMM + reduce-scatter: sub-chunks per block x comm SMs.
+RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What a decision depends on. Shapes are per device: x [m, k] (rows flattened), w [k, n]."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    dtype: str
+    group: int
+    device_kind: str
+
+    def id(self) -> str:
+        kind = self.device_kind.replace(" ", "_")
+        return f"{self.op}|{kind}|{self.dtype}|tp{self.group}|{self.m}x{self.k}x{self.n}"
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxoverlap")
+
+
+def fingerprint() -> str:
+    """Hash of what the timings depend on: jaxlib, the native extension's file, the driver."""
+    import jax
+    import jaxlib
+
+    parts = [f"v{CACHE_VERSION}", jaxlib.__version__]
+    from jaxoverlap import runtime
+
+    native = runtime.native()
+    path = getattr(native, "__file__", None)
+    if path and os.path.exists(path):
+        st = os.stat(path)
+        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
+    try:
+        parts.append(jax.devices()[0].client.platform_version)
+    except Exception:  # noqa: BLE001 - no backend: the fingerprint just has one part fewer
+        pass
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+_memo: dict[str, tuple[float, dict]] = {}
+
+
+def cache_path() -> str:
+    return os.path.join(cache_dir(), f"tune-{fingerprint()}.json")
+
+
+def load(path: str | None = None) -> dict:
+    """The cache's entries (id -> entry); {} when there is none. Re-read when the file changes."""
+    path = path or cache_path()
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return {}
+    if path in _memo and _memo[path][0] == mtime:
+        return _memo[path][1]
+    try:
+        with open(path) as f:
+            entries = json.load(f).get("entries", {})
+    except (OSError, ValueError) as e:
+        log.warning("jaxoverlap: ignoring the unreadable tuning cache %s (%s)", path, e)
+        entries = {}
+    _memo[path] = (mtime, entries)
+    return entries
+
+
+def lookup(key: Key, path: str | None = None) -> dict | None:
+    return load(path).get(key.id())
+
+
+def record(key: Key, entry: dict, path: str | None = None) -> None:
+    """Adds one entry; written atomically (a reader never sees half a file)."""
+    path = path or cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    entries = dict(load(path))
+    entries[key.id()] = entry
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def faster(ms, spread, ms_ref, spread_ref) -> bool:
+    """The timing protocol's "faster": lower median by more than the larger spread (>= 2 %)."""
+    return ms < ms_ref * (1.0 - max(NOISE_FLOOR, spread, spread_ref))
+
+
+def decide(times: dict) -> dict:
+    """From ``{"xla": (ms, spread), (chunks, comm_sms): (ms, spread), ...}`` the entry to record."""
+    ms_x, sp_x = times["xla"]
+    fused = {c: t for c, t in times.items() if c != "xla"}
+    best = min(fused, key=lambda c: fused[c][0]) if fused else None
+    win = best is not None and faster(*fused[best], ms_x, sp_x)
+    return dict(
+        choice="fused" if win else "xla",
+        chunks=best[0] if best else None,
+        comm_sms=best[1] if best else None,
+        ms_xla=ms_x,
+        ms_fused=fused[best][0] if best else None,
+        spread=max([sp_x] + ([fused[best][1]] if best else [])),
+        candidates={f"{c[0]}x{c[1]}": t[0] for c, t in fused.items()},
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _time(fns: dict, samples: int, target_ms: float) -> dict:
+    """name -> (median ms, spread) of round-robin samples, each ~target_ms of back-to-back calls."""
+    import jax
+
+    iters = {}
+    for name, (fn, args) in fns.items():
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        est = (time.perf_counter() - t0) * 1e3
+        iters[name] = max(3, min(500, math.ceil(target_ms / max(est, 1e-3))))
+    runs = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, (fn, args) in fns.items():
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(iters[name]):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            runs[name].append((time.perf_counter() - t0) * 1e3 / iters[name])
+    out = {}
+    for name, ts in runs.items():
+        med = statistics.median(ts)
+        out[name] = (med, (max(ts) - min(ts)) / med)
+    return out
+
+
+def tune_rs(m, k, n, group, dtype="bfloat16", *, samples=7, target_ms=40.0, save=True):
+    """Tunes ``matmul_reduce_scatter`` for per-device x [m, k], w [k, n] over ``group`` GPUs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import fused
+
+    devices = jax.devices()
+    if devices[0].platform != "gpu" or len(devices) < group:
+        raise RuntimeError(f"jaxoverlap.tune: needs {group} GPUs, found {devices}")
+    mesh = Mesh(np.array(devices[:group]), ("tp",))
+    dt = jnp.dtype(dtype)
+    kx, kw = jax.random.split(jax.random.key(m * 7 + k * 3 + n))
+    x = jax.random.normal(kx, (m, k * group), jnp.float32).astype(dt)
+    w = (jax.random.normal(kw, (k * group, n), jnp.float32) / np.sqrt(k * group)).astype(dt)
+    x = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
+
+    def make(config):
+        body = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)  # noqa: E731
+        specs = dict(in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+        return jax.jit(jax.shard_map(body, mesh=mesh, **specs))
+
+    fns = {"xla": (make(jaxoverlap.Config(backend="xla")), (x, w))}
+    want = np.asarray(fns["xla"][0](x, w).astype(jnp.float32))
+    scale = max(float(np.abs(want).max()), 1e-6)
+    for chunks, sms in RS_CANDIDATES:
+        if fused.choose_chunks(m // group, k, n, chunks) != chunks:
+            continue  # this split is not aligned for the shape
+        fn = make(jaxoverlap.Config(backend="fused", chunks=chunks, comm_sms=sms))
+        got = np.asarray(fn(x, w).astype(jnp.float32))
+        err = float(np.abs(got - want).max()) / scale
+        if err > 2e-2:
+            raise RuntimeError(
+                f"jaxoverlap.tune: fused matmul_reduce_scatter {m}x{k}x{n} chunks={chunks} "
+                f"comm_sms={sms} differs from XLA's result (relative error {err:.3g})"
+            )
+        fns[(chunks, sms)] = (fn, (x, w))
+    entry = decide(_time(fns, samples, target_ms))
+    key = Key("matmul_reduce_scatter", m, k, n, str(dt), group, devices[0].device_kind)
+    if save:
+        record(key, entry)
+    return key, entry
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def shapes_of(fn, *args, **kwargs) -> list[tuple]:
+    """The distinct (op, m, k, n, dtype, group) of the jaxoverlap ops in ``fn``'s jaxpr (at any
+    depth; shapes per device, as inside shard_map)."""
+    import jax
+
+    names = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
+    found = []
+
+    def visit(jaxpr, sizes):
+        for eqn in jaxpr.eqns:
+            inner = dict(sizes)
+            mesh = eqn.params.get("mesh")
+            if mesh is not None and hasattr(mesh, "shape"):
+                inner.update(dict(mesh.shape))
+            if eqn.primitive.name in names:
+                x, w = (v.aval for v in eqn.invars)
+                group = math.prod(inner.get(a, 1) for a in eqn.params["axis_name"])
+                m = math.prod(x.shape[:-1])
+                row = (eqn.primitive.name, m, x.shape[-1], w.shape[1], str(x.dtype), group)
+                if row not in found:
+                    found.append(row)
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        visit(sub, inner)
+
+    visit(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr, {})
+    return found
+
+
+def tune_function(fn, *args, progress=print, **kwargs) -> dict:
+    """Tunes every fusable reduce-scatter op in ``fn(*args)``; returns id -> entry."""
+    todo = [s for s in shapes_of(fn, *args, **kwargs) if s[0] == "matmul_reduce_scatter"]
+    out = {}
+    for i, (_, m, k, n, dtype, group) in enumerate(todo, 1):
+        key, entry = tune_rs(m, k, n, group, dtype)
+        out[key.id()] = entry
+        progress(f"[{i}/{len(todo)}] {describe(key, entry)}")
+    return out
+
+
+def describe(key: Key, e: dict) -> str:
+    gain = e["ms_xla"] / e["ms_fused"] if e.get("ms_fused") else None
+    setting = f"chunks={e['chunks']} comm_sms={e['comm_sms']}" if e["chunks"] else "-"
+    return (
+        f"{key.op} {key.m}x{key.k}x{key.n} {key.dtype} tp={key.group}: {e['choice']} "
+        f"(xla {e['ms_xla']:.3f} ms, best fused {e['ms_fused'] or float('nan'):.3f} ms "
+        f"{setting}, {gain or float('nan'):.2f}x, spread {e['spread']:.1%})"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxoverlap.tune", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--shapes", help="per-device MxK_localxN of matmul_reduce_scatter, comma-separated"
+    )
+    p.add_argument("--tp", type=int, default=2, help="GPUs in the group (default 2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--list", action="store_true", help="print the cache and exit")
+    a = p.parse_args(argv)
+    if a.list:
+        print(cache_path())
+        for kid, e in sorted(load().items()):
+            print(f"{kid}: {e['choice']} chunks={e['chunks']} comm_sms={e['comm_sms']}")
+        return 0
+    if not a.shapes:
+        p.error("--shapes is required (or --list)")
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
+    if any(len(s) != 3 for s in shapes):
+        p.error("--shapes: each shape is MxKxN, e.g. 8192x4096x8192")
+    print(f"tuning {len(shapes)} shape(s) into {cache_path()}", flush=True)
+    for i, (m, k, n) in enumerate(shapes, 1):
+        key, entry = tune_rs(m, k, n, a.tp, a.dtype, samples=a.samples)
+        print(f"[{i}/{len(shapes)}] {describe(key, entry)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
