@@ -2,8 +2,8 @@
 
 A sweep for docs/measurements.md (the package's own tuner is `python -m jaxoverlap.tune`).
 Same timing method as BENCHMARKS.md (jitted calls back to back, median of batches), random
-bf16, every variant checked against XLA's result before it is timed. Also the standalone TMA reduce-scatter's bus bandwidth
-by SM count against NCCL (``lax.psum_scatter``).
+bf16, every variant checked against XLA's result before it is timed. Also the standalone TMA
+reduce-scatter's bus bandwidth by SM count against NCCL (``lax.psum_scatter``).
 
     python tools/tune_gemm_rs.py [--quick] [--json OUT.json]
 """
