@@ -55,6 +55,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--variants", default="plain,jaxoverlap,overlap_xla,nocomm", help=f"of {VARIANTS}"
     )
+    p.add_argument(
+        "--tune", action="store_true", help="tune the overlapped step's ops first (jaxoverlap.tune)"
+    )
+    p.add_argument(
+        "--attention",
+        help="dot_product_attention implementation (default: cudnn "
+        "where it compiles, else JAX's pick)",
+    )
     p.add_argument("--profile-dir", help="write a jax.profiler trace of plain and jaxoverlap")
     p.add_argument("--hlo-dir", help="write the compiled HLO of every variant")
     a = C.finish_args(p, p.parse_args(argv), target_ms=300.0, quick_target_ms=150.0)
@@ -122,14 +130,21 @@ def measure_size(jax, mesh, tp, name, size, args, seed, jo):
     L = example()
     d, heads, ffn = size
     seq = args.seq or args.tokens
-    dims = L.Dims(d, heads, ffn, seq, batch=args.tokens // seq, layers=1)
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
+    attention = args.attention or L.best_attention(dtype, d // heads)
+    dims = L.Dims(d, heads, ffn, seq, batch=args.tokens // seq, layers=1, attention=attention)
     k_p, k_x, k_y = jax.random.split(jax.random.key(seed), 3)
     params = L.init_params(dims, k_p, dtype)
     x = jax.random.normal(k_x, (dims.tokens, d), jnp.float32).astype(dtype)
     y = jax.random.normal(k_y, (dims.tokens, d), jnp.float32).astype(dtype)
     args_ = L.place(mesh, params, x, y)
     fns = step_fns(jax, mesh, tp, dims, args.variants, jo)
+    tuned = {}
+    if args.tune:
+        from jaxoverlap import tune
+
+        step = jax.value_and_grad(L.loss_fn(jo.overlap(L.make_model(dims, mesh))))
+        tuned = tune.tune_function(step, *args_, progress=lambda s: print("  tune " + s))
 
     sites, hlo = {}, {}
     for v, f in fns.items():
@@ -169,6 +184,8 @@ def measure_size(jax, mesh, tp, name, size, args, seed, jo):
         heads=heads,
         tokens=dims.tokens,
         seq=seq,
+        attention=attention,
+        tuned=tuned,
         tp=tp,
         processes=1,
         dtype=str(jnp.dtype(dtype)),

@@ -33,6 +33,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -55,6 +56,7 @@ class Dims:
     seq: int  # tokens per sequence
     batch: int = 1
     layers: int = 1
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's pick)
 
     @property
     def head_dim(self):
@@ -96,11 +98,27 @@ def layer(dims: Dims, x, p, comm=PLAIN):
     q, k, v = (
         (h @ p[name]).reshape(b, s, -1, dh) for name in ("wq", "wk", "wv")
     )  # [B, S, H_local, Dh]
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b * s, -1)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=dims.attention)
+    a = a.reshape(b * s, -1)
     x = x + scatter(a @ p["wo"])
     h = gather(rms_norm(x, p["g2"]))
     m = jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])
     return x + scatter(m @ p["wd"])
+
+
+def best_attention(dtype, head_dim):
+    """The "cudnn" implementation where cuDNN's fused attention compiles (GPUs), else None."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), dtype)
+    try:
+        attn = functools.partial(
+            jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"
+        )
+        jax.jit(lambda q: attn(q, q, q)).lower(q).compile()
+    except Exception:  # noqa: BLE001 - no cuDNN, or not for these operands: JAX's pick
+        return None
+    return "cudnn"
 
 
 def param_specs():
@@ -217,8 +235,9 @@ def main():
     mesh = jax.make_mesh(
         (len(devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices
     )
-    dims = Dims(args.d_model, args.heads, args.ffn, args.seq, args.batch, args.layers)
     dtype = jnp.dtype(args.dtype)
+    attention = best_attention(dtype, args.d_model // args.heads)
+    dims = Dims(args.d_model, args.heads, args.ffn, args.seq, args.batch, args.layers, attention)
     print(f"{len(devices)} x {devices[0].device_kind}, {dims}, {dtype}")
 
     plain = make_model(dims, mesh)
