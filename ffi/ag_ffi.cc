@@ -76,6 +76,7 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t chunk_bytes = mc * K * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
+  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
   if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
   if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
     return internal(kWhat, e);
