@@ -180,7 +180,8 @@ std::string pending_error() {
         "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
         "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running "
         "the same program. This device's CUDA context is unusable now; restart the process.",
-        op_name(e.op), e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
+        op_name(e.op), e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen,
+        e.target);
     return buf;
   }
   return "";

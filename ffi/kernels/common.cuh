@@ -101,8 +101,8 @@ struct WaitSite {
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
 __device__ __noinline__ inline void wait_flag(const uint32_t* p, uint32_t target, bool sys,
-                                       uint64_t timeout_ns, ErrorRecord* err,
-                                       const Peers& peers, WaitSite site) {
+                                              uint64_t timeout_ns, ErrorRecord* err,
+                                              const Peers& peers, WaitSite site) {
   uint32_t v = ld_relaxed(p, sys);
   if ((int32_t)(v - target) < 0) {
     const uint64_t t0 = global_ns();
