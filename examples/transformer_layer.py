@@ -33,7 +33,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -104,21 +103,6 @@ def layer(dims: Dims, x, p, comm=PLAIN):
     h = gather(rms_norm(x, p["g2"]))
     m = jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])
     return x + scatter(m @ p["wd"])
-
-
-def best_attention(dtype, head_dim):
-    """The "cudnn" implementation where cuDNN's fused attention compiles (GPUs), else None."""
-    if jax.devices()[0].platform != "gpu":
-        return None
-    q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), dtype)
-    try:
-        attn = functools.partial(
-            jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"
-        )
-        jax.jit(lambda q: attn(q, q, q)).lower(q).compile()
-    except Exception:  # noqa: BLE001 - no cuDNN, or not for these operands: JAX's pick
-        return None
-    return "cudnn"
 
 
 def param_specs():
@@ -236,8 +220,7 @@ def main():
         (len(devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices
     )
     dtype = jnp.dtype(args.dtype)
-    attention = best_attention(dtype, args.d_model // args.heads)
-    dims = Dims(args.d_model, args.heads, args.ffn, args.seq, args.batch, args.layers, attention)
+    dims = Dims(args.d_model, args.heads, args.ffn, args.seq, args.batch, args.layers)
     print(f"{len(devices)} x {devices[0].device_kind}, {dims}, {dtype}")
 
     plain = make_model(dims, mesh)

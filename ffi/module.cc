@@ -12,6 +12,7 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 
 namespace nb = nanobind;
 
@@ -33,6 +34,7 @@ nb::dict registrations() {
   };
   d["jaxoverlap_gemm_rs_v1"] = stages(JaxoverlapGemmRsV1);
   d["jaxoverlap_rs_v1"] = stages(JaxoverlapRsV1);
+  d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
   return d;
 }
 

@@ -71,8 +71,17 @@ const char* what_name(int what) {
     case kWaitArrival: return "the peer's pushed chunk";
     case kWaitReduced: return "the local sum of the peers' chunk";
     case kWaitAccReady: return "the peer to seed its accumulator with its own block";
+    case kWaitAgBlock: return "the peer's block of x (pushed by its copy engine)";
   }
   return "a flag";
+}
+
+const char* op_name(int op) {
+  switch (op) {
+    case kOpGemmRs: return "jaxoverlap.matmul_reduce_scatter";
+    case kOpAgGemm: return "jaxoverlap.all_gather_matmul";
+  }
+  return "jaxoverlap.tma_reduce_scatter";
 }
 
 }  // namespace
@@ -171,8 +180,8 @@ std::string pending_error() {
         "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
         "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running "
         "the same program. This device's CUDA context is unusable now; restart the process.",
-        e.op == kOpGemmRs ? "jaxoverlap.matmul_reduce_scatter" : "jaxoverlap.tma_reduce_scatter",
-        e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
+        op_name(e.op), e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen,
+        e.target);
     return buf;
   }
   return "";

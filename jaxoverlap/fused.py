@@ -15,9 +15,10 @@ Contract with `jaxoverlap/ops/*` (the only callers):
 ``gather_dimension`` where the op has one, ``config``).
 
 What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimension=0`` (rows of
-the flattened ``[..., K]`` input), bf16 or f16, 2..8 GPUs of one process with peer access.
-Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk times ``K`` and times ``N``
-multiples of 128 elements (every GEMM operand 256-byte aligned).
+the flattened ``[..., K]`` input) and ``all_gather_matmul`` with ``gather_dimension=0`` (each
+rank's ``x`` is one contiguous block of rows of the gathered input), bf16 or f16, 2..8 GPUs of
+one process with peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk
+times ``K`` and times ``N`` multiples of 128 elements (every GEMM operand 256-byte aligned).
 
 Also here, for the bandwidth benchmark (private-ish API): `tma_reduce_scatter`, the standalone
 TMA reduce-scatter used by the fused kernel's communication side.
@@ -40,6 +41,7 @@ from jax.interpreters import mlir
 from jaxoverlap import runtime, topology
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
+AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
 RS_TARGET = "jaxoverlap_rs_v1"
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
 DEFAULT_RS_COMM_SMS = 16
@@ -55,16 +57,25 @@ _AUTO_MIN = (2048, 4096, 4096)
 _AUTO_MAX_K = 8192
 DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best, see above)
 
+# all_gather_matmul, backend="auto" -- a prediction, NOT measured yet. The fused op pushes x with
+# the copy engine (no SMs) while the GEMM of the own block runs, so it costs the GEMM nothing
+# when one block's copy (m*K*2 bytes at ~350 GB/s) is much shorter than the own block's GEMM
+# (2*m*K*N flops at ~650 TFLOP/s): their ratio is N_local / ~1860, independent of m and K.
+# Conservative rule: tp=2 (the only group measured for anything), N_local >= 4096 (the copy at
+# most ~half the own GEMM), and at least 4096 gathered rows and K >= 4096 so that the few
+# microseconds of extra launches (waits, signals, a second GEMM) stay small against the GEMM.
+_AG_AUTO_MIN = (4096, 4096, 4096)  # (gathered rows, K, N_local)
 
-def tuned(m_total, k, n_cols, dtype, n):
-    """The tuner's entry for this per-device shape on this machine's GPUs, or None."""
+
+def tuned(op, m_total, k, n_cols, dtype, n):
+    """The tuner's entry for this op and shape on this machine's GPUs, or None."""
     from jaxoverlap import tune
 
     devices = jax.devices()
     if devices[0].platform != "gpu":
         return None
     key = tune.Key(
-        "matmul_reduce_scatter", m_total, k, n_cols, str(np.dtype(dtype)), n,
+        op, m_total, k, n_cols, str(np.dtype(dtype)), n,
         devices[0].device_kind,
     )  # fmt: skip
     return tune.lookup(key)
@@ -78,10 +89,20 @@ def auto_predicts_win(m_total, k, n_cols, n):
     return big_enough and k <= _AUTO_MAX_K
 
 
-def _auto_reason(m_total, k, n_cols, dtype, n):
-    """None if backend="auto" should take the fused path, else why not."""
-    entry = tuned(m_total, k, n_cols, dtype, n)
-    shape = f"M={m_total} K={k} N={n_cols} over {n} GPUs"
+def ag_auto_predicts_win(m_gathered, k, n_cols, n):
+    """Whether the (unmeasured) cost model predicts the fused all_gather_matmul hides its
+    gather completely (see ``_AG_AUTO_MIN``)."""
+    return n == 2 and all(
+        v >= lo for v, lo in zip((m_gathered, k, n_cols), _AG_AUTO_MIN, strict=True)
+    )
+
+
+def _auto_reason(op, m, k, n_cols, dtype, n):
+    """None if backend="auto" should take the fused path, else why not. ``m`` is the rows of
+    x as the op's tuning key counts them: per device for matmul_reduce_scatter, gathered for
+    all_gather_matmul."""
+    entry = tuned(op, m, k, n_cols, dtype, n)
+    shape = f"M={m} K={k} N={n_cols} over {n} GPUs"
     if entry is not None:
         if entry["choice"] == "fused":
             return None
@@ -89,12 +110,17 @@ def _auto_reason(m_total, k, n_cols, dtype, n):
             f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
             f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
         )
-    if auto_predicts_win(m_total, k, n_cols, n):
+    rule = auto_predicts_win if op == "matmul_reduce_scatter" else ag_auto_predicts_win
+    if rule(m, k, n_cols, n):
         return None
+    what = (
+        "tp=2, M>=2048, N>=4096, 4096<=K<=8192"
+        if op == "matmul_reduce_scatter"
+        else "tp=2, gathered M, K, N_local >= 4096"
+    )
     return (
-        f"backend='auto': {shape} is untuned and outside the conservative rule "
-        f"(tp=2, M>=2048, N>=4096, 4096<=K<=8192); run `python -m jaxoverlap.tune --shapes "
-        f"{m_total}x{k}x{n_cols} --tp {n}` to measure it"
+        f"backend='auto': {shape} is untuned and outside the conservative rule ({what}); run "
+        f"`python -m jaxoverlap.tune --op {op} --shapes {m}x{k}x{n_cols} --tp {n}` to measure it"
     )
 
 
@@ -120,9 +146,9 @@ def _stalled_rank_for_tests(rank: int):
 
 @contextlib.contextmanager
 def _gemm_only_for_tools():
-    """Tools only: fused GEMM+RS calls lowered inside this block run their GEMM schedule on the
-    GEMM partition without any communication, and `tma_reduce_scatter` pushes without summing
-    (wrong results either way), to measure where time goes."""
+    """Tools only: fused GEMM+RS and AG+GEMM calls lowered inside this block run their GEMM
+    schedule without any communication, and `tma_reduce_scatter` pushes without summing (wrong
+    results either way), to measure where time goes."""
     token = _profile.set(1)
     try:
         yield
@@ -151,17 +177,23 @@ def choose_chunks(m, k, n_cols, requested=None):
     return None
 
 
+_FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul")
+
+
 def unsupported_reason(op, x, w, params, axis_size):
     """Trace-time check; see the module docstring."""
-    if op != "matmul_reduce_scatter":
-        return f"{op} has no fused GPU kernel in this version (only matmul_reduce_scatter)"
+    if op not in _FUSED_OPS:
+        return f"{op} has no fused GPU kernel in this version (only {' and '.join(_FUSED_OPS)})"
     why = runtime.unavailable_reason()
     if why:
         return why
     if x.dtype != w.dtype or not any(x.dtype == np.dtype(t) for t in _SUPPORTED):
         return f"the fused kernel supports bfloat16 and float16, not {x.dtype}"
-    if params.get("scatter_dimension", 0) != 0:
-        return "the fused kernel scatters dimension 0 only (rows of x[..., K])"
+    gather = op == "all_gather_matmul"
+    dim = params.get("gather_dimension" if gather else "scatter_dimension", 0)
+    if dim != 0:
+        verb = "gathers" if gather else "scatters"
+        return f"the fused kernel {verb} dimension 0 only (rows of x[..., K])"
     n = int(axis_size)
     if not 2 <= n <= topology.MAX_GROUP:
         return f"group size {n} is outside 2..{topology.MAX_GROUP}"
@@ -170,24 +202,26 @@ def unsupported_reason(op, x, w, params, axis_size):
     if k % 8 or n_cols % 8:
         return f"K={k} and N={n_cols} must be multiples of 8"
     if x.ndim < 2:
-        return f"x has rank {x.ndim}: scatter_dimension=0 is then N, not rows of x[..., K]"
+        return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
     if m_total == 0:
         return "x has no rows"
-    if x.shape[0] % n:
+    if not gather and x.shape[0] % n:
         return f"dimension 0 ({x.shape[0]}) is not divisible by the group size {n}"
-    m = m_total // n
+    m = m_total if gather else m_total // n  # rows of one rank's block
     config = params["config"]
-    chunks = choose_chunks(m, k, n_cols, config.chunks)
+    chunks = choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))
     if chunks is None:
         return (
             f"alignment: rows per rank per chunk ({m}/{config.chunks or 1}) times K={k} and "
             f"times N={n_cols} must be multiples of 128 elements"
         )
+    if gather:
+        return _auto_reason(op, m * n, k, n_cols, x.dtype, n) if config.backend == "auto" else None
     comm_sms = config.comm_sms or DEFAULT_COMM_SMS
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        return _auto_reason(m_total, k, n_cols, x.dtype, n)
+        return _auto_reason(op, m_total, k, n_cols, x.dtype, n)
     return None
 
 
@@ -225,13 +259,21 @@ def _table_attrs(table, comm_sms, chunks, timeout_s):
 
 def lower(op, ctx, x, w, params):
     """Emit the fused custom call (see the module docstring)."""
-    if op != "matmul_reduce_scatter":
+    if op not in _FUSED_OPS:
         raise FusedUnavailable(f"{op} has no fused GPU kernel in this version")
     x_aval, w_aval = ctx.avals_in
     table = _group_table(ctx, params["axis_name"])
     config = params["config"]
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    entry = tuned(m_total, k, n_cols, x_aval.dtype, table.n)
+    runtime.register_targets()
+    if op == "all_gather_matmul":
+        entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)
+        # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
+        want = config.chunks or (entry["chunks"] if entry and entry["chunks"] else 1)
+        chunks = choose_chunks(m_total, k, n_cols, want) or choose_chunks(m_total, k, n_cols, 1)
+        attrs = _table_attrs(table, 0, chunks, config.timeout_s)
+        return jax.ffi.ffi_lowering(AG_GEMM_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
+    entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
     setting = (
         (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
     )
@@ -239,7 +281,6 @@ def lower(op, ctx, x, w, params):
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms or setting[1]
-    runtime.register_targets()
     attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s)
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 

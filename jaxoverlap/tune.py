@@ -9,6 +9,7 @@ the fastest setting; where nothing is recorded it uses a conservative rule (`jax
 and says so once in the log.
 
     python -m jaxoverlap.tune --shapes 8192x4096x8192,4096x14336x4096 --tp 2
+    python -m jaxoverlap.tune --op all_gather_matmul --shapes 8192x8192x4096
     python -m jaxoverlap.tune --list            # what the cache holds
 
 From Python, ``jaxoverlap.tune.tune_function(fn, *args)`` tunes every jaxoverlap op that
@@ -159,7 +160,11 @@ def decide(times: dict) -> dict:
 
 
 def _time(fns: dict, samples: int, target_ms: float) -> dict:
-    """name -> (median ms, spread) of round-robin samples, each ~target_ms of back-to-back calls."""
+    """name -> (median ms, spread) of round-robin samples, each ~target_ms of back-to-back calls.
+
+    The spread here is the interquartile range over the median: one sample disturbed by
+    something else on the machine must not veto a decision (BENCHMARKS.md's (max - min) /
+    median measured 10-33 % on 7 samples of otherwise stable GEMMs in a tuning run)."""
     import jax
 
     iters = {}
@@ -180,13 +185,25 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
             runs[name].append((time.perf_counter() - t0) * 1e3 / iters[name])
     out = {}
     for name, ts in runs.items():
-        med = statistics.median(ts)
-        out[name] = (med, (max(ts) - min(ts)) / med)
+        q1, med, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+        out[name] = (med, (q3 - q1) / med)
     return out
 
 
-def tune_rs(m, k, n, group, dtype="bfloat16", *, samples=7, target_ms=40.0, save=True):
-    """Tunes ``matmul_reduce_scatter`` for per-device x [m, k], w [k, n] over ``group`` GPUs."""
+OPS = ("matmul_reduce_scatter", "all_gather_matmul")
+
+
+def candidates(op):
+    """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
+    if op == "matmul_reduce_scatter":
+        return RS_CANDIDATES
+    return tuple((c, None) for c in (1, 2, 4))
+
+
+def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, save=True):
+    """Tunes ``op`` on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter x [m, k] and
+    w [k, n] per device; all_gather_matmul m gathered rows, x [m / group, k], w [k, n] per
+    device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -196,39 +213,50 @@ def tune_rs(m, k, n, group, dtype="bfloat16", *, samples=7, target_ms=40.0, save
     import jaxoverlap
     from jaxoverlap import fused
 
+    if op not in OPS:
+        raise ValueError(f"jaxoverlap.tune: op must be one of {OPS}, not {op!r}")
     devices = jax.devices()
     if devices[0].platform != "gpu" or len(devices) < group:
         raise RuntimeError(f"jaxoverlap.tune: needs {group} GPUs, found {devices}")
     mesh = Mesh(np.array(devices[:group]), ("tp",))
     dt = jnp.dtype(dtype)
+    rs = op == "matmul_reduce_scatter"
+    # Global operands: RS contracts a K split over the group; AG gathers rows, splits w's N.
+    xg, wg = ((m, k * group), (k * group, n)) if rs else ((m, k), (k, n * group))
+    specs = (
+        (P(None, "tp"), P("tp", None), P("tp", None))
+        if rs
+        else (P("tp", None), P(None, "tp"), P(None, "tp"))
+    )
     kx, kw = jax.random.split(jax.random.key(m * 7 + k * 3 + n))
-    x = jax.random.normal(kx, (m, k * group), jnp.float32).astype(dt)
-    w = (jax.random.normal(kw, (k * group, n), jnp.float32) / np.sqrt(k * group)).astype(dt)
-    x = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
-    w = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
+    x = jax.random.normal(kx, xg, jnp.float32).astype(dt)
+    w = (jax.random.normal(kw, wg, jnp.float32) / np.sqrt(wg[0])).astype(dt)
+    x = jax.device_put(x, NamedSharding(mesh, specs[0]))
+    w = jax.device_put(w, NamedSharding(mesh, specs[1]))
+    fn_op = getattr(jaxoverlap, op)
 
     def make(config):
-        body = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)  # noqa: E731
-        specs = dict(in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
-        return jax.jit(jax.shard_map(body, mesh=mesh, **specs))
+        body = lambda x, w: fn_op(x, w, "tp", config=config)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2]))
 
     fns = {"xla": (make(jaxoverlap.Config(backend="xla")), (x, w))}
     want = np.asarray(fns["xla"][0](x, w).astype(jnp.float32))
     scale = max(float(np.abs(want).max()), 1e-6)
-    for chunks, sms in RS_CANDIDATES:
-        if fused.choose_chunks(m // group, k, n, chunks) != chunks:
+    block = m // group  # rows of one rank's block (RS: scattered; AG: gathered)
+    for chunks, sms in candidates(op):
+        if fused.choose_chunks(block, k, n, chunks) != chunks:
             continue  # this split is not aligned for the shape
         fn = make(jaxoverlap.Config(backend="fused", chunks=chunks, comm_sms=sms))
         got = np.asarray(fn(x, w).astype(jnp.float32))
         err = float(np.abs(got - want).max()) / scale
         if err > 2e-2:
             raise RuntimeError(
-                f"jaxoverlap.tune: fused matmul_reduce_scatter {m}x{k}x{n} chunks={chunks} "
-                f"comm_sms={sms} differs from XLA's result (relative error {err:.3g})"
+                f"jaxoverlap.tune: fused {op} {m}x{k}x{n} chunks={chunks} comm_sms={sms} "
+                f"differs from XLA's result (relative error {err:.3g})"
             )
         fns[(chunks, sms)] = (fn, (x, w))
     entry = decide(_time(fns, samples, target_ms))
-    key = Key("matmul_reduce_scatter", m, k, n, str(dt), group, devices[0].device_kind)
+    key = Key(op, m, k, n, str(dt), group, devices[0].device_kind)
     if save:
         record(key, entry)
     return key, entry
@@ -239,7 +267,7 @@ def tune_rs(m, k, n, group, dtype="bfloat16", *, samples=7, target_ms=40.0, save
 
 def shapes_of(fn, *args, **kwargs) -> list[tuple]:
     """The distinct (op, m, k, n, dtype, group) of the jaxoverlap ops in ``fn``'s jaxpr (at any
-    depth; shapes per device, as inside shard_map)."""
+    depth), shaped as `Key` counts them."""
     import jax
 
     names = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
@@ -255,6 +283,8 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
                 x, w = (v.aval for v in eqn.invars)
                 group = math.prod(inner.get(a, 1) for a in eqn.params["axis_name"])
                 m = math.prod(x.shape[:-1])
+                if eqn.primitive.name == "all_gather_matmul":
+                    m *= group  # the key counts gathered rows
                 row = (eqn.primitive.name, m, x.shape[-1], w.shape[1], str(x.dtype), group)
                 if row not in found:
                     found.append(row)
@@ -269,11 +299,11 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
 
 
 def tune_function(fn, *args, progress=print, **kwargs) -> dict:
-    """Tunes every fusable reduce-scatter op in ``fn(*args)``; returns id -> entry."""
-    todo = [s for s in shapes_of(fn, *args, **kwargs) if s[0] == "matmul_reduce_scatter"]
+    """Tunes every op of ``fn(*args)`` that has a fused kernel; returns id -> entry."""
+    todo = [s for s in shapes_of(fn, *args, **kwargs) if s[0] in OPS]
     out = {}
-    for i, (_, m, k, n, dtype, group) in enumerate(todo, 1):
-        key, entry = tune_rs(m, k, n, group, dtype)
+    for i, (op, m, k, n, dtype, group) in enumerate(todo, 1):
+        key, entry = tune_op(op, m, k, n, group, dtype)
         out[key.id()] = entry
         progress(f"[{i}/{len(todo)}] {describe(key, entry)}")
     return out
@@ -298,7 +328,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--tp", type=int, default=2, help="GPUs in the group (default 2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--samples", type=int, default=9)
     p.add_argument("--list", action="store_true", help="print the cache and exit")
     a = p.parse_args(argv)
     if a.list:
@@ -313,7 +343,7 @@ def main(argv=None) -> int:
         p.error("--shapes: each shape is MxKxN, e.g. 8192x4096x8192")
     print(f"tuning {len(shapes)} shape(s) into {cache_path()}", flush=True)
     for i, (m, k, n) in enumerate(shapes, 1):
-        key, entry = tune_rs(m, k, n, a.tp, a.dtype, samples=a.samples)
+        key, entry = tune_op(a.op, m, k, n, a.tp, a.dtype, samples=a.samples)
         print(f"[{i}/{len(shapes)}] {describe(key, entry)}", flush=True)
     return 0
 

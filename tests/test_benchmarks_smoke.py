@@ -77,3 +77,31 @@ def test_rs_bandwidth_smoke(tmp_path):
     assert [c["comm_sms"] for c in row["tma"]] == [4, 16]
     assert all(c["busbw_GBs"] > 0 and c["check"]["ok"] for c in row["tma"])
     assert doc["worst_best_tma_busbw_GBs"] > 0
+
+
+def test_all_gather_matmul_smoke(tmp_path):
+    stdout = run("all_gather_matmul.py", tmp_path, "--shapes", "128x64x64", "--name", "agm")
+    assert "geomean speedup of jaxoverlap over xla" in stdout
+    doc = load(tmp_path, "agm")
+    assert {"machine", "date", "jax_version", "rows"} <= doc.keys()
+    (row,) = doc["rows"]
+    assert (row["op"], row["M"], row["K"], row["N_local"], row["tp"]) == (
+        "all_gather_matmul",
+        128,
+        64,
+        64,
+        2,
+    )
+    assert row["gather_dimension"] == 0 and row["dtype"] == "bfloat16"
+    assert set(row["ms"]) == {
+        "xla",
+        "gemm_only",
+        "ag_only",
+        "jaxoverlap",
+        "auto",
+        "gemm_part",
+        "xla_again",
+    }
+    assert all(v is not None and v > 0 for v in row["ms"].values()), row["ms"]
+    assert all(c["ok"] for c in row["check"].values())
+    assert row["auto_picks"] == "xla"  # no fused kernel on CPU

@@ -104,6 +104,24 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
     if not err < 2e-2:
         return fail("fused matmul_reduce_scatter differs from the reference")
 
+    ag_target = getattr(fused, "AG_GEMM_TARGET", None)
+    if ag_target is not None:  # x [m, K/2] split over rows, w [K/2, 2 * n] split over N
+        xr, wr = x[:, : k // 2], jnp.tile(w[: k // 2], (1, 2))
+        spec = dict(in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+        agm = jax.jit(
+            jax.shard_map(
+                lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", config=cfg), mesh=mesh, **spec
+            )
+        )
+        if ag_target not in agm.lower(xr, wr).compile().as_text():
+            return fail(f"fused all_gather_matmul HLO lacks {ag_target}")
+        got = np.asarray(agm(xr, wr).astype(jnp.float32))
+        want = np.asarray(jnp.matmul(xr.astype(jnp.float32), wr.astype(jnp.float32)))
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        print(f"fused all_gather_matmul {m}x{k // 2}x{n} tp=2: rel err {err:.2e}", flush=True)
+        if not err < 2e-2:
+            return fail("fused all_gather_matmul differs from the reference")
+
     y = jax.random.normal(kx, (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
     tma = smap(lambda y: fused.tma_reduce_scatter(y, "tp", comm_sms=8), P(None, "tp"))
     nccl = smap(lambda y: lax.psum_scatter(y, "tp", tiled=True), P(None, "tp"))

@@ -95,6 +95,7 @@ if ((BENCH)); then
   step bench-gemm-rs 180 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \
     --windowed-timeout 80 "${BENCH_FLAGS[@]}"
   step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
+  step bench-ag-gemm 150 "$PY" benchmarks/all_gather_matmul.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
 fi
 if ((CPU_TESTS)); then
   # The CI suite on 8 fake CPU devices (JAX_PLATFORMS=cpu, as in CI): it expects CPU devices.

@@ -12,13 +12,14 @@ constexpr int kMaxRanks = 8;     // peers in one group (NVLink domain of one hos
 constexpr int kMaxChunks = 16;   // sub-chunks a row block is split into
 constexpr int kMaxSenders = 32;  // sender CTAs of one comm kernel (one arrival flag each)
 
-enum OpCode : int32_t { kOpGemmRs = 1, kOpReduceScatter = 2 };
+enum OpCode : int32_t { kOpGemmRs = 1, kOpReduceScatter = 2, kOpAgGemm = 3 };
 enum WaitWhat : int32_t {
   kWaitGemmChunk = 1,  // comm kernel waited for the local GEMM to finish a chunk
   kWaitSlotFree = 2,   // comm kernel waited for a peer to release its staging slot (last call)
   kWaitArrival = 3,    // a consumer waited for a peer's pushed chunk
   kWaitReduced = 4,    // the GEMM waited for the locally reduced peer sum (n > 2)
   kWaitAccReady = 5,   // reduce-push: waited for the owner to seed its accumulator
+  kWaitAgBlock = 6,    // all-gather + GEMM: the GEMM waited for a peer's block of x to land
 };
 
 // Lives in host-mapped pinned memory so the host can read it even after the kernel trapped.
@@ -99,9 +100,9 @@ struct WaitSite {
 // jaxoverlap call on any device raises with this record.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
-__device__ __noinline__ void wait_flag(const uint32_t* p, uint32_t target, bool sys,
-                                       uint64_t timeout_ns, ErrorRecord* err,
-                                       const Peers& peers, WaitSite site) {
+__device__ __noinline__ inline void wait_flag(const uint32_t* p, uint32_t target, bool sys,
+                                              uint64_t timeout_ns, ErrorRecord* err,
+                                              const Peers& peers, WaitSite site) {
   uint32_t v = ld_relaxed(p, sys);
   if ((int32_t)(v - target) < 0) {
     const uint64_t t0 = global_ns();

@@ -1,0 +1,300 @@
+"""Benchmark `jaxoverlap.all_gather_matmul` (gathering rows) against XLA, following BENCHMARKS.md.
+
+Per shape (M gathered rows x K x N_local, tp ranks; x [M/tp, K] per device, w [K, N_local]), in
+one run on fresh random bf16, timed round-robin (interleaved samples):
+  xla          lax.all_gather(x, tiled) then jnp.matmul in shard_map (no overlap); timed first
+  gemm_only    jnp.matmul of the gathered x [M, K] and w (the bound: communication fully hidden)
+  ag_only      lax.all_gather alone (NCCL)
+  jaxoverlap   all_gather_matmul with backend="fused" (null where the fused path cannot run);
+               what backend="auto" picks is timed and reported beside it (auto=).
+  gemm_part    (diagnostic) the fused op's GEMM schedule alone, without communication
+  xla_again    xla once more, timed last: the row is flagged noisy if the two differ by > 5 %
+Every result is checked against an f32 reference before it is timed. XLA's windowed einsum is not
+timed here (see benchmarks/matmul_reduce_scatter.py for the reduce-scatter side).
+
+  python benchmarks/all_gather_matmul.py                # BENCHMARKS.md AG shapes + layer shapes
+  python benchmarks/all_gather_matmul.py --quick        # fewer, shorter samples
+  python benchmarks/all_gather_matmul.py --cpu-smoke    # 2 fake CPU devices, tiny shapes
+
+Exit status: 0 when every measured result was correct; 1 when a check failed or an error stopped
+the run (the JSON keeps the rows before it), or, with --require-fused, when the fused path did
+not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+
+import _common as C
+
+# BENCHMARKS.md's all-gather -> matmul table, then column-parallel layers at tp = 2 with 8192
+# tokens: QKV and fused gate+up of 8B- (d 4096, ffn 14336), 70B- (d 8192) and 405B-class
+# (d 16384) models (N_local = output features / 2).
+SHAPES = [
+    (8192, 8192, 4096),
+    (8192, 8192, 14336),
+    (16384, 8192, 8192),
+    (4096, 4096, 2048),
+    (8192, 4096, 7168),
+    (8192, 4096, 3072),  # 8B QKV (4096 + 2 x 1024)
+    (8192, 4096, 14336),  # 8B gate+up (2 x 14336)
+    (8192, 8192, 5120),  # 70B QKV (8192 + 2 x 1024)
+    (8192, 16384, 9216),  # 405B QKV (16384 + 2 x 1024)
+]
+SMOKE_SHAPES = [(128, 64, 64), (256, 128, 64)]
+METHODS = ("xla", "gemm_only", "ag_only", "jaxoverlap", "auto", "gemm_part", "xla_again")
+BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32
+NOISY = 0.05
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(p, "all_gather_matmul")
+    p.add_argument("--shapes", help="comma-separated MxKxN_local (M = gathered rows)")
+    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
+    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
+    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
+    if a.shapes:
+        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
+    else:
+        a.shapes = SMOKE_SHAPES if a.cpu_smoke else SHAPES
+    return a
+
+
+def make_inputs(jax, mesh, shape, tp, seed):
+    """x [M, K] split over rows, w [K, N_local * tp] split over N; random bf16 on device."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    M, K, Nl = shape
+    kx, kw = jax.random.split(jax.random.fold_in(jax.random.key(seed), M * 7 + K * 3 + Nl), 2)
+
+    def gen(key, shp, spec, scale=1.0):
+        f = jax.jit(
+            lambda k: (jax.random.normal(k, shp, jnp.float32) * scale).astype(jnp.bfloat16),
+            out_shardings=NamedSharding(mesh, spec),
+        )
+        return f(key)
+
+    x = gen(kx, (M, K), P("tp", None))
+    w = gen(kw, (K, Nl * tp), P(None, "tp"), K**-0.5)
+    return x, w, jax.device_put(x, NamedSharding(mesh, P()))  # gemm_only: gathered x everywhere
+
+
+def error_fn(mesh):
+    """(x, w, out) -> max |out - ref| / max |ref|, ref = all_gather(x) @ w in f32."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    def body(x, w, out):
+        xg = lax.all_gather(x.astype(jnp.float32), "tp", tiled=True)
+        ref = jnp.matmul(xg, w.astype(jnp.float32))
+        err = lax.pmax(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)), "tp")
+        return err / lax.pmax(jnp.max(jnp.abs(ref)), "tp")
+
+    return C.shard_map(body, mesh, (P("tp", None), P(None, "tp"), P(None, "tp")), P())
+
+
+def jaxoverlap_fns(mesh, args):
+    """backend -> jitted fn (+ the GEMM-only diagnostic), or a sentence saying why not."""
+    from jax.sharding import PartitionSpec as P
+
+    try:
+        jaxoverlap = C.import_jaxoverlap()
+        from jaxoverlap import fused
+    except Exception as e:  # noqa: BLE001
+        return f"import jaxoverlap failed: {type(e).__name__}: {e}"
+
+    def make(backend):
+        knobs = {"chunks": args.chunks} if backend == "fused" else {}
+        cfg = jaxoverlap.Config(backend=backend, **knobs)
+
+        def body(x, w):
+            return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=0, config=cfg)
+
+        return C.shard_map(body, mesh, (P("tp", None), P(None, "tp")), P(None, "tp"))
+
+    fused_backend = "xla" if args.smoke_stand_in else "fused"
+    profile = contextlib.nullcontext if args.smoke_stand_in else fused._gemm_only_for_tools
+    return {
+        "fused": make(fused_backend),
+        "auto": make("auto"),
+        "gemm_part": (make(fused_backend), profile),
+    }
+
+
+def measure_shape(jax, mesh, tp, shape, args, jo, seed):
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    M, K, Nl = shape
+    x, w, xg = make_inputs(jax, mesh, shape, tp, seed)
+    xw = (P("tp", None), P(None, "tp"))
+    xla = C.shard_map(
+        lambda x, w: jnp.matmul(lax.all_gather(x, "tp", tiled=True), w), mesh, xw, P(None, "tp")
+    )
+    gemm = C.shard_map(jnp.matmul, mesh, (P(), P(None, "tp")), P(None, "tp"))
+    # the gathered copies side by side (the output is typed varying over tp)
+    ag = C.shard_map(lambda x: lax.all_gather(x, "tp", tiled=True), mesh, P("tp"), P("tp"))
+    err_f = error_fn(mesh)
+    row = {"op": "all_gather_matmul", "tp": tp, "processes": 1, "dtype": "bfloat16", "M": M}
+    row.update(K=K, N_local=Nl, gather_dimension=0, notes=[], check={}, iters={}, samples_ms={})
+    check = lambda out: {"rel_err": (r := float(err_f(x, w, out))), "ok": r <= BF16_TOL}  # noqa
+    row["check"]["xla"] = check(xla(x, w))
+    row["check"]["gemm_only"] = check(gemm(xg, w))
+    fns = {"xla": (xla, (x, w)), "gemm_only": (gemm, (xg, w)), "ag_only": (ag, (x,))}
+    if isinstance(jo, str):
+        row["notes"].append(jo)
+    else:
+        for key, f in (("jaxoverlap", jo["fused"]), ("auto", jo["auto"])):
+            try:
+                targets = C.custom_call_targets(f.lower(x, w).compile().as_text())
+                row["check"][key] = check(f(x, w))
+            except Exception as e:  # noqa: BLE001 - the reason is the result
+                row["notes"].append(f"{key}: {type(e).__name__}: {e}".strip())
+                continue
+            ours = [t for t in targets if t.startswith("jaxoverlap")]
+            if key == "auto":
+                row["auto_picks"] = "fused" if ours else "xla"
+            elif not ours and not args.smoke_stand_in:
+                row["notes"].append("backend='fused' compiled without a jaxoverlap custom call")
+                continue
+            if row["check"][key]["ok"]:
+                fns[key] = (f, (x, w))
+            else:
+                row["notes"].append(f"{key}: WRONG RESULT, not timed")
+        if "jaxoverlap" in fns:
+            f, profile = jo["gemm_part"]
+            with profile():  # read when the call is traced and lowered
+                f(x, w)
+            fns["gemm_part"] = (f, (x, w))
+    fns["xla_again"] = fns["xla"]
+    res = C.bench(fns, samples=args.samples, target_ms=args.target_ms)
+    row["ms"] = {m: res[m]["ms"] if m in res else None for m in METHODS}
+    row["spread"] = {
+        m: (max(r["samples_ms"]) - min(r["samples_ms"])) / r["ms"] for m, r in res.items()
+    }
+    for name, r in res.items():
+        row["iters"][name], row["samples_ms"][name] = r["iters"], r["samples_ms"]
+    a, b = row["ms"]["xla"], row["ms"]["xla_again"]
+    row["noisy"] = bool(abs(a - b) > NOISY * min(a, b))
+    if row["noisy"]:
+        row["notes"].append(f"NOISY: xla {a:.3f} vs xla_again {b:.3f} ms: repeat this row")
+    return row
+
+
+def report(rows, tp, stand_in):
+    jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
+    headers = f"MxKxN_l xla gemm_only ag_only {jo} auto gemm_part xla_again auto= jo_spread "
+    headers = (headers + "xla/gemm xla/jo jo/gemm xla/auto").split()
+    lines = []
+    for r in rows:
+        ms = r["ms"]
+        lines.append(
+            [
+                f"{r['M']}x{r['K']}x{r['N_local']}",
+                *(C.fmt(ms[m]) for m in METHODS),
+                r.get("auto_picks", "-"),
+                C.fmt(r["spread"].get("jaxoverlap"), ".2f"),
+                C.fmt(C.ratio(ms["xla"], ms["gemm_only"]), ".2f"),
+                C.fmt(C.ratio(ms["xla"], ms["jaxoverlap"]), ".2f"),
+                C.fmt(C.ratio(ms["jaxoverlap"], ms["gemm_only"]), ".2f"),
+                C.fmt(C.ratio(ms["xla"], ms["auto"]), ".2f"),
+            ]
+        )
+    g = {
+        "jaxoverlap_over_xla": C.geomean(
+            C.ratio(r["ms"]["xla"], r["ms"]["jaxoverlap"]) for r in rows
+        ),
+        "jaxoverlap_over_gemm_only": C.geomean(
+            C.ratio(r["ms"]["jaxoverlap"], r["ms"]["gemm_only"]) for r in rows
+        ),
+        "auto_over_xla": C.geomean(C.ratio(r["ms"]["xla"], r["ms"]["auto"]) for r in rows),
+    }
+    n = sum(r["ms"]["jaxoverlap"] is not None for r in rows)
+    text = "\n".join(
+        [
+            f"all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
+            "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs",
+            C.table(headers, lines),
+            f"geomean speedup of jaxoverlap over xla: {C.fmt(g['jaxoverlap_over_xla'], '.3f')}x, "
+            f"jaxoverlap/gemm_only: {C.fmt(g['jaxoverlap_over_gemm_only'], '.3f')} "
+            f"({n}/{len(rows)} shapes fused); auto over xla: {C.fmt(g['auto_over_xla'], '.3f')}x",
+        ]
+    )
+    notes = [f"  {r['M']}x{r['K']}x{r['N_local']}: {C.short(n)}" for r in rows for n in r["notes"]]
+    if notes:
+        text += "\nnotes:\n" + "\n".join(dict.fromkeys(notes))
+    return text, g
+
+
+def plot(rows, path, title):
+    def draw(ax):
+        names = ["xla", "jaxoverlap", "auto", "ag_only"]
+        labels = [f"{r['M']}x{r['K']}x{r['N_local']}" for r in rows]
+        width = 0.8 / len(names)
+        for i, m in enumerate(names):
+            vals = [C.ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
+            x = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(x, vals, width, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
+        ax.set_xticks(range(len(rows)), labels, rotation=20, fontsize=7)
+        ax.set_ylabel("time / gemm_only (lower is better)")
+
+    return C.save_plot(path, title, rows, (12, 4.5), draw)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    seed = C.fresh_seed(args.seed)
+    jax, mesh, tp, info = C.start(args, seed)
+    jo = jaxoverlap_fns(mesh, args)
+
+    def done(row):
+        keys = ("M", "K", "N_local", "ms", "notes")
+        print(json.dumps({k: row[k] for k in keys}), flush=True)
+
+    rows, crashed = C.measure_rows(
+        args.shapes,
+        lambda shape: measure_shape(jax, mesh, tp, shape, args, jo, seed),
+        done,
+        lambda shape: "x".join(map(str, shape)),
+    )
+    text, g = report(rows, tp, args.smoke_stand_in)
+    doc = C.results_doc(
+        info,
+        tp,
+        seed,
+        args,
+        check_tolerance_rel=BF16_TOL,
+        stand_in=args.smoke_stand_in,
+        fused_config={"chunks": args.chunks},
+        geomean=g,
+        aborted=crashed,
+        rows=rows,
+    )
+    C.save(args, "all_gather_matmul", info, tp, doc, text, functools.partial(plot, rows))
+    print(text)
+    bad = [
+        f"{r['M']}x{r['K']}x{r['N_local']} {m}"
+        for r in rows
+        for m, c in r["check"].items()
+        if not c["ok"]
+    ]
+    if C.failed(bad, ", ", crashed):
+        return 1
+    if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
+        print("FAILED: --require-fused, but the fused path did not run on every shape")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

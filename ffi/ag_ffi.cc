@@ -1,0 +1,160 @@
+// FFI handler of the fused all-gather + GEMM (jaxoverlap_ag_gemm_v1), gathering rows:
+// out[n * m, N] = concat over ranks p of x_p[m, K] @ w, rank p's rows at p * m.
+// Schedule for rank r of n: the copy engine pushes x_r (cudaMemcpyAsync into each peer's
+// symmetric staging slot for r, no SMs) on a side stream, each push followed by a one-thread
+// kernel releasing the peer's arrival flag; meanwhile XLA's stream runs the GEMM of the own block
+// straight from x, then, source by source in the order the pushes arrive (r - 1, r - 2, ...), a
+// bounded wait for the block and the GEMM reading the staging slot, and last releases the slots.
+// Cross-GPU ordering is by flags only (kernels/ag.cu): the two devices' handler threads run with
+// no host ordering between them, so no stream ever waits on another device's event.
+#include <string>
+#include <vector>
+
+#include "handler_common.h"
+#include "kernels/ag.h"
+#include "kernels/comm.h"
+#include "runtime.h"
+
+namespace jaxoverlap {
+namespace {
+
+constexpr const char* kWhat = "jaxoverlap.all_gather_matmul (fused)";
+
+// Per device, once, under the device's handler lock: the copy stream (highest priority, so its
+// one-thread signal kernels are scheduled ahead of queued GEMM blocks) and the flag kernels.
+std::string ag_setup(DeviceRuntime* dev) {
+  if (!dev->ag_kernels_loaded) {
+    if (cudaError_t e = preload_ag_kernels())
+      return std::string("preloading the all-gather kernels failed: ") + cudaGetErrorString(e);
+    dev->ag_kernels_loaded = true;
+  }
+  if (!dev->copy) {
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
+      return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
+                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                      int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile) {
+  (void)comm_sms;  // the copy engine needs no SMs
+  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  DType dtype;
+  if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
+      out->element_type() != x.element_type())
+    return invalid(kWhat, "x, w and the result must all be bfloat16 or all float16");
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[0])
+    return invalid(kWhat, "expected x[..., K] and w[K, N]");
+  const int64_t K = wd[0], N = wd[1];
+  const int64_t m = K ? (int64_t)x.element_count() / K : 0;  // rows per rank
+  const int64_t elt = 2;
+  if (m < 1 || (int64_t)out->element_count() != n * m * N)
+    return invalid(kWhat, "result size is not (group size x rows) x N");
+  if (chunks < 1 || chunks > kMaxChunks || m % chunks)
+    return invalid(kWhat, "chunks must divide the rows per rank and be at most 16");
+  const int64_t mc = m / chunks;
+  if ((mc * K * elt) % 256 || (mc * N * elt) % 256)
+    return invalid(kWhat, "rows per chunk x K and rows per chunk x N must be multiples of 128 "
+                          "elements (256-byte alignment of every GEMM operand)");
+  int rank = -1;
+  std::vector<int> group;
+  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
+    return invalid(kWhat, e);
+
+  DeviceGuard guard;
+  cudaSetDevice(device);
+  DeviceRuntime* dev;
+  Workspace* ws;
+  const int64_t block_bytes = m * K * elt;  // one rank's block of x = one staging slot
+  const int64_t chunk_bytes = mc * K * elt;
+  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
+  std::lock_guard<std::mutex> hold(dev->launch_mu);
+  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
+  if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
+  if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
+    return internal(kWhat, e);
+  ErrorRecord* err = error_record(device);
+  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+  const Peers& peers = ws->peers[rank];
+  Flags* local = peers.flags[rank];
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  const void* wp = w.untyped_data();
+  char* op = static_cast<char*>(out->untyped_data());
+  const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0};  // the whole device
+  const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
+  auto gemm = [&](const char* a, int64_t row) -> std::string {
+    return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
+  };
+
+  // First call of this workspace on this device: drain the device (nothing of ours may spin
+  // while a kernel loads: lazy loading can wait for every kernel in flight, and a spinning wait
+  // only ends when a peer runs), then compute the own block, which loads cuBLASLt's kernel for
+  // this shape, and wait for it. Only then may this call's waits be enqueued.
+  bool own_done = false;
+  if (!ws->warmed[rank]) {
+    if (cudaError_t e = cudaDeviceSynchronize())
+      return internal(kWhat, std::string("draining the device failed: ") + cudaGetErrorString(e));
+    for (int k = 0; k < chunks; ++k)
+      if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
+        return internal(kWhat, e);
+    if (cudaError_t e = cudaStreamSynchronize(xla_stream))
+      return internal(kWhat, std::string("warm-up GEMM failed: ") + cudaGetErrorString(e));
+    ws->warmed[rank] = true;
+    own_done = true;
+  }
+
+  // profile == 1 (tools only): the GEMM schedule alone, no communication -- the foreign rows are
+  // computed from whatever the staging slots hold (garbage).
+  const bool communicate = profile != 1;
+  // Copy stream first, in host order: every push and signal a peer needs from this call is
+  // enqueued before any wait of this call.
+  CK(cudaEventRecord(dev->fork, xla_stream));
+  CK(cudaStreamWaitEvent(dev->copy, dev->fork));
+  for (int t = 1; communicate && t < n; ++t) {
+    const int j = (rank + t) % (int)n;
+    CK(launch_ag_wait_slot_free(peers, j, timeout_ns, err, dev->copy));
+    char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
+    for (int k = 0; k < chunks; ++k) {
+      CK(cudaMemcpyAsync(dst + k * chunk_bytes, xp + k * chunk_bytes, chunk_bytes,
+                         cudaMemcpyDefault, dev->copy));
+      CK(launch_ag_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
+    }
+  }
+  for (int k = 0; !own_done && k < chunks; ++k)
+    if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
+      return internal(kWhat, e);
+  // Rank s pushes to s + 1 first, so this rank's blocks arrive from r - 1, r - 2, ...
+  for (int t = 1; t < n; ++t) {
+    const int s = (rank - t + (int)n) % (int)n;
+    const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
+    for (int k = 0; k < chunks; ++k) {
+      if (communicate)
+        CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, xla_stream));
+      if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
+        return internal(kWhat, e);
+    }
+  }
+  if (communicate) CK(launch_release_slots(peers, xla_stream));
+  Partition streams;  // the join's view: GEMMs ran on XLA's stream, the pushes on `copy`
+  streams.comm = dev->copy;
+  return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, local);
+}
+
+}  // namespace
+}  // namespace jaxoverlap
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl,
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()    // x [m, ..., K]
+                                      .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>()));  // out [n * m, ..., N]

@@ -1,0 +1,158 @@
+"""The fused all_gather_matmul's decisions on CPU: trace-time reasons, alignment, the
+cost-model rule for backend="auto", the custom call a CUDA lowering emits (lowered for CUDA from
+fake CPU devices; no GPU needed), and the backward pass's use of both fused ops."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap import Config, fused, runtime
+
+OP = "all_gather_matmul"
+FUSED = Config(backend="fused")
+
+
+def _aval(shape, dtype=jnp.bfloat16):
+    return jax.core.ShapedArray(shape, dtype)
+
+
+def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, dim=0, **cfg):
+    params = dict(axis_name=("tp",), gather_dimension=dim, config=Config(**cfg))
+    return fused.unsupported_reason(OP, _aval(x_shape, dtype), _aval(w_shape, dtype), params, n)
+
+
+@pytest.fixture
+def native_ok(monkeypatch):
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
+
+
+def test_reasons(native_ok):
+    assert _reason((512, 512), (512, 768), backend="fused") is None
+    # rows of x per rank need not be divisible by the group size (they are gathered, not split)
+    assert _reason((3 * 128, 512), (512, 768), n=3, backend="fused") is None
+    assert _reason((4, 384, 512), (512, 512), backend="fused") is None
+    assert "float32" in _reason((512, 512), (512, 768), dtype=jnp.float32, backend="fused")
+    assert "multiples of 8" in _reason((512, 500), (500, 768), backend="fused")
+    assert "alignment" in _reason((24, 8), (8, 8), backend="fused")
+    assert "alignment" in _reason((512, 512), (512, 768), backend="fused", chunks=3)
+    assert "outside 2..8" in _reason((512, 512), (512, 768), n=16, backend="fused")
+    assert "gathers dimension 0 only" in _reason((4, 384, 512), (512, 512), dim=1)
+    assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
+
+
+def test_auto_rule_is_the_cost_model(native_ok, monkeypatch):
+    # Untuned: tp=2, gathered rows, K and N_local all >= 4096: fused; else or tp > 2: XLA.
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    assert _reason((4096, 8192), (8192, 4096)) is None
+    assert _reason((2048, 4096), (4096, 7168)) is None
+    assert "outside the conservative rule" in _reason((2048, 4096), (4096, 2048))  # N_local 2048
+    assert "outside the conservative rule" in _reason((1024, 4096), (4096, 8192))  # 2048 gathered rows
+    assert "outside the conservative rule" in _reason((4096, 2048), (2048, 8192))  # K 2048
+    assert "outside the conservative rule" in _reason((4096, 8192), (8192, 4096), n=4)
+    assert fused.ag_auto_predicts_win(8192, 4096, 4096, 2)
+    assert not fused.ag_auto_predicts_win(8192, 4096, 4096, 8)
+
+
+def test_public_function_raises_with_the_reason(native_ok):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def body(x, w):
+        return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=1, config=FUSED)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(None, "tp"))
+    x = jnp.zeros((4, 256, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="gathers dimension 0 only"):
+        jax.jit(f).trace(x, jnp.zeros((64, 128), jnp.bfloat16))
+
+
+@pytest.fixture
+def lowering_only(monkeypatch):
+    """Stand in for the extension: lowering for CUDA emits the custom call by name."""
+    monkeypatch.setattr(runtime, "native", lambda: object())
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+
+
+def _calls(text, target):
+    return [line for line in text.splitlines() if f"@{target}" in line]
+
+
+def test_cuda_lowering_emits_the_custom_call(lowering_only):
+    devs = np.array(jax.devices()[:4])[[2, 0, 3, 1]].reshape(2, 2)
+    mesh = Mesh(devs, ("dp", "tp"))
+
+    def body(x, w):
+        return jaxoverlap.all_gather_matmul(x, w, "tp", config=FUSED)
+
+    w = jax.ShapeDtypeStruct((512, 2 * 384), jnp.bfloat16)
+    text = (
+        jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")
+            )
+        )
+        .trace(jax.ShapeDtypeStruct((2 * 256, 512), jnp.bfloat16), w)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    calls = _calls(text, fused.AG_GEMM_TARGET)
+    assert len(calls) == 1 and "all_gather" not in text
+    call = calls[0]
+    # devices 2,0 form one tp group and 3,1 the other; ranks follow the tp position
+    assert "ordinals = dense<[2, 0, 3, 1]>" in call
+    assert "ranks = dense<[0, 1, 0, 1]>" in call
+    assert "groups = dense<[2, 0, 2, 0, 3, 1, 3, 1]>" in call
+    assert "n = 2" in call and "chunks = 1" in call and "stall_rank = -1" in call
+    assert "(tensor<256x512xbf16>, tensor<512x384xbf16>) -> tensor<512x384xbf16>" in call
+    # a 3-D x [B, S, K]: gathering dimension 0 (B) is one contiguous block of rows per rank
+    f3 = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, None, "tp")
+        )
+    )
+    text3 = (
+        f3.trace(jax.ShapeDtypeStruct((2 * 2, 256, 512), jnp.bfloat16), w)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    (call3,) = _calls(text3, fused.AG_GEMM_TARGET)
+    assert "(tensor<2x256x512xbf16>, tensor<512x384xbf16>) -> tensor<4x256x384xbf16>" in call3
+
+
+def test_backward_uses_both_fused_ops(lowering_only):
+    """d/dx of all_gather_matmul is a matmul_reduce_scatter and vice versa: with the fused
+    config, a train step's HLO has both custom calls and no all-gather for those GEMMs."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def layer(x, w1, w2):
+        h = jaxoverlap.all_gather_matmul(x, w1, "tp", config=FUSED)
+        return jaxoverlap.matmul_reduce_scatter(h, w2, "tp", config=FUSED)
+
+    def loss(x, w1, w2):
+        y = jax.shard_map(
+            layer,
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, "tp"), P("tp", None)),
+            out_specs=P("tp"),
+        )(x, w1, w2)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    x = jax.ShapeDtypeStruct((2 * 512, 256), jnp.bfloat16)
+    w1 = jax.ShapeDtypeStruct((256, 2 * 384), jnp.bfloat16)
+    w2 = jax.ShapeDtypeStruct((2 * 384, 256), jnp.bfloat16)
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(x, w1, w2)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    # forward AG + backward AG (d/dx of the reduce-scatter); forward RS + backward RS
+    assert len(_calls(text, fused.AG_GEMM_TARGET)) == 2
+    assert len(_calls(text, fused.GEMM_RS_TARGET)) == 2
