@@ -52,7 +52,7 @@ def test_auto_rule_is_the_cost_model(native_ok, monkeypatch):
     assert _reason((4096, 8192), (8192, 4096)) is None
     assert _reason((2048, 4096), (4096, 7168)) is None
     assert "outside the conservative rule" in _reason((2048, 4096), (4096, 2048))  # N_local 2048
-    assert "outside the conservative rule" in _reason((1024, 4096), (4096, 8192))  # 2048 gathered rows
+    assert "outside the conservative rule" in _reason((1024, 4096), (4096, 8192))  # 2048 rows
     assert "outside the conservative rule" in _reason((4096, 2048), (2048, 8192))  # K 2048
     assert "outside the conservative rule" in _reason((4096, 8192), (8192, 4096), n=4)
     assert fused.ag_auto_predicts_win(8192, 4096, 4096, 2)
