@@ -38,6 +38,7 @@ from jax._src import core
 from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology
+from jaxoverlap.config import DEFAULT_TIMEOUT_S, check_timeout
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 RS_TARGET = "jaxoverlap_rs_v1"
@@ -230,7 +231,13 @@ tma_reduce_scatter_p = core.Primitive("jaxoverlap_tma_reduce_scatter")
 
 
 def tma_reduce_scatter(
-    x, axis_name, *, scatter_dimension=0, comm_sms=DEFAULT_RS_COMM_SMS, chunks=None, timeout_s=5.0
+    x,
+    axis_name,
+    *,
+    scatter_dimension=0,
+    comm_sms=DEFAULT_RS_COMM_SMS,
+    chunks=None,
+    timeout_s=DEFAULT_TIMEOUT_S,
 ):
     """``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`` with jaxoverlap's TMA
     kernel (private-ish; for the bandwidth benchmark). Call inside ``jax.shard_map`` on GPUs.
@@ -249,8 +256,9 @@ def tma_reduce_scatter(
     missing = tuple(a for a in names if a not in core.typeof(x).mat.varying)
     if missing:
         x = core.pvary(x, missing)
+    timeout_s = check_timeout("tma_reduce_scatter", timeout_s)
     return tma_reduce_scatter_p.bind(
-        x, axis_name=names, comm_sms=int(comm_sms), chunks=chunks, timeout_s=float(timeout_s)
+        x, axis_name=names, comm_sms=int(comm_sms), chunks=chunks, timeout_s=timeout_s
     )
 
 
