@@ -25,6 +25,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       int64_t chunks, double timeout_s, int64_t stall_rank,
                       int64_t profile) {
   if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  uint64_t timeout_ns = 0;
+  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
@@ -75,21 +77,28 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int senders = n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
                              : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
   const int receivers = n == 2 ? 0 : (int)std::min<int64_t>(comm_sms - senders, kMaxSenders);
-  const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
 
+  // Operand alignment: XLA guarantees 16 bytes for entry parameters, cuBLASLt's fast kernels
+  // want 256. Each rank handles its own pointers (the GEMM plans are chosen for the alignment
+  // found, gemm.cc), so a misaligned buffer on one rank never makes it bail out alone while its
+  // peers launched. Chunk offsets are multiples of 256 bytes (checked above).
+  if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
+      GemmRunner::alignment(op) < 2)
+    return invalid(kWhat, "an operand is not aligned to its 2-byte element");
+
+  if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/true, ws->done[rank]);
+      e.failure())
+    return e;
   if (!ws->warmed[rank]) {
-    // Load cuBLASLt's kernels (and pick the plans) before any spinning kernel is in flight.
+    // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
+    // launched. On the GEMM stream after the fork, with that stream's cuBLASLt workspace:
+    // ordered with every other GEMM of the stream; nothing else writes `partials` then.
     for (const GemmShape* s : {&foreign, &own})
       if (std::string e = dev->gemm.run(*s, xp, wp, partials, partials, part->gemm); !e.empty())
         return internal(kWhat, e);
-    if (cudaError_t e = cudaStreamSynchronize(part->gemm))
-      return internal(kWhat, std::string("warm-up GEMM failed: ") + cudaGetErrorString(e));
     ws->warmed[rank] = true;
   }
 
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  CK(cudaStreamWaitEvent(part->gemm, dev->fork));
-  CK(cudaStreamWaitEvent(part->comm, dev->fork));
   // Producer first: every GEMM launch precedes the spinning comm kernel in host order.
   for (int t = 0; t < n - 1; ++t) {
     const int j = (rank + 1 + t) % (int)n;
@@ -136,7 +145,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       return internal(kWhat, e);
   }
   if (communicate) CK(launch_release_slots(peers, part->gemm));
-  return join(kWhat, xla_stream, dev, part, /*gemm=*/true, local);
+  return join(kWhat, xla_stream, dev, part, /*gemm=*/true, local, ws->done[rank]);
 }
 
 }  // namespace

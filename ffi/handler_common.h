@@ -1,10 +1,12 @@
-// What the two FFI handlers share: the static group table sent by the lowering, dtype mapping,
-// turning runtime sentences and CUDA errors into ffi::Error, the join back onto XLA's stream and
-// the attributes both bind. Host code only.
+// What the FFI handlers share: the static group table sent by the lowering (validated whole),
+// the timeout, dtype mapping, turning runtime sentences and CUDA errors into ffi::Error, the fork
+// onto the green-context streams and the join back onto XLA's stream, and the attributes every
+// handler binds. Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -36,7 +38,10 @@ inline ffi::Error invalid(const std::string& what, const std::string& msg) {
   }
 
 // The lowering sends, for every device of the program, its CUDA ordinal, its rank along the
-// reduced axes and its group's ordinals in rank order (rows of `groups`, `n` columns).
+// reduced axes and its group's ordinals in rank order (rows of `groups`, `n` columns). Every
+// rank validates the whole table, not only its own row: the table is the same attribute on every
+// rank, so a malformed one is rejected by all of them before any launch (a rank that bailed out
+// alone would leave its peers spinning until the timeout).
 inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
                               ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
                               int64_t n, int* rank, std::vector<int>* group) {
@@ -44,14 +49,47 @@ inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
     return "group size " + std::to_string(n) + " is outside 2.." + std::to_string(kMaxRanks);
   if (ranks.size() != ordinals.size() || groups.size() != ordinals.size() * (size_t)n)
     return "malformed group table";
+  int found = -1;
   for (size_t i = 0; i < ordinals.size(); ++i) {
-    if (ordinals[i] != device) continue;
-    *rank = ranks[i];
-    group->assign(groups.begin() + i * n, groups.begin() + (i + 1) * n);
-    if ((*group)[*rank] != device) return "group table does not list this device at its rank";
-    return "";
+    const int32_t r = ranks[i];
+    if (r < 0 || r >= n)
+      return "group table gives device " + std::to_string(ordinals[i]) + " rank " +
+             std::to_string(r) + ", outside 0.." + std::to_string(n - 1);
+    const int32_t* row = groups.begin() + i * n;
+    if (row[r] != ordinals[i])
+      return "group table does not list device " + std::to_string(ordinals[i]) + " at its rank";
+    for (int64_t a = 0; a < n; ++a) {
+      if (row[a] < 0) return "group table holds a negative device ordinal";
+      for (int64_t b = 0; b < a; ++b)
+        if (row[a] == row[b]) return "group table lists a device twice in one group";
+      // Every member must be in the table with this very group, at its position.
+      size_t j = 0;
+      while (j < ordinals.size() && ordinals[j] != row[a]) ++j;
+      if (j == ordinals.size() || ranks[j] != a ||
+          !std::equal(row, row + n, groups.begin() + j * n))
+        return "group table is inconsistent: device " + std::to_string(row[a]) +
+               " does not list the same group at rank " + std::to_string(a);
+    }
+    if (ordinals[i] == device) {
+      if (found >= 0) return "group table lists device " + std::to_string(device) + " twice";
+      found = (int)i;
+    }
   }
-  return "device ordinal " + std::to_string(device) + " is not in the group table";
+  if (found < 0) return "device ordinal " + std::to_string(device) + " is not in the group table";
+  *rank = ranks[found];
+  group->assign(groups.begin() + found * n, groups.begin() + (found + 1) * n);
+  return "";
+}
+
+// The bound on every cross-GPU wait, in ns: finite, positive and at most a day (the Python side
+// rejects anything else first; a hand-built call could still send NaN, which would convert to an
+// undefined integer).
+inline std::string to_timeout_ns(double timeout_s, uint64_t* ns) {
+  if (!(timeout_s > 0.0 && timeout_s <= 86400.0))  // false for NaN
+    return "timeout_s=" + std::to_string(timeout_s) + " must be a finite number of seconds in "
+           "(0, 86400]";
+  *ns = (uint64_t)(timeout_s * 1e9);
+  return "";
 }
 
 inline bool to_dtype(ffi::DataType t, DType* out) {
@@ -71,16 +109,32 @@ inline std::string preload(DeviceRuntime* dev) {
   return "";
 }
 
+// The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
+// wait for XLA's stream and for the previous call of the same workspace on this device
+// (`ws_done`, recorded by `join`): calls of one workspace never overlap on a device, even when
+// they come from different XLA streams. `kWhat` names the op in errors.
+inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                               const Partition* part, bool gemm, cudaEvent_t ws_done) {
+  CK(cudaEventRecord(dev->fork, xla_stream));
+  for (cudaStream_t s : {part->gemm, part->comm}) {
+    if (s == part->gemm && !gemm) continue;
+    CK(cudaStreamWaitEvent(s, dev->fork));
+    CK(cudaStreamWaitEvent(s, ws_done));
+  }
+  return ffi::Error::Success();
+}
+
 // The handlers' join: records the done events on the green-context streams they launched on (the
-// GEMM stream only if `gemm`), makes XLA's stream wait for them, then runs the finish kernel on
-// XLA's stream. `kWhat` names the op in errors.
+// GEMM stream only if `gemm`), makes XLA's stream wait for them, runs the finish kernel (epoch +
+// 1) on XLA's stream and records the workspace's `ws_done` after it.
 inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                       const Partition* part, bool gemm, Flags* local) {
+                       const Partition* part, bool gemm, Flags* local, cudaEvent_t ws_done) {
   if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
   CK(cudaEventRecord(dev->comm_done, part->comm));
   if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
   CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
   CK(launch_finish(local, xla_stream));
+  CK(cudaEventRecord(ws_done, xla_stream));
   return ffi::Error::Success();
 }
 

@@ -23,6 +23,8 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                   int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
                   int64_t profile) {
   if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  uint64_t timeout_ns = 0;
+  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || out->element_type() != x.element_type())
     return invalid(kWhat, "x and the result must both be bfloat16 or both float16");
@@ -53,6 +55,10 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
   const Peers& peers = ws->peers[rank];
   const char* xp = static_cast<const char*>(x.untyped_data());
+  // TMA bulk copies need 16-byte aligned addresses; XLA guarantees 16 bytes for every buffer,
+  // so this never fires on one rank alone unless that guarantee is broken.
+  if (reinterpret_cast<uintptr_t>(xp) % 16 || reinterpret_cast<uintptr_t>(out->untyped_data()) % 16)
+    return invalid(kWhat, "x and the result must be 16-byte aligned for TMA");
 
   CommArgs c{};
   c.peers = peers;
@@ -79,15 +85,16 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   c.signal_reduced = 0;
   c.stall_rank = (int)stall_rank;
   c.op = kOpReduceScatter;
-  c.timeout_ns = (uint64_t)(timeout_s * 1e9);
+  c.timeout_ns = timeout_ns;
   c.err = err;
   c.dtype = dtype;
 
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  CK(cudaStreamWaitEvent(part->comm, dev->fork));
+  if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/false, ws->done[rank]);
+      e.failure())
+    return e;
   CK(launch_comm(c, part->comm));
   CK(launch_release_slots(peers, part->comm));
-  return join(kWhat, xla_stream, dev, part, /*gemm=*/false, peers.flags[rank]);
+  return join(kWhat, xla_stream, dev, part, /*gemm=*/false, peers.flags[rank], ws->done[rank]);
 }
 
 }  // namespace

@@ -2,11 +2,14 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernels/comm.h"
 
@@ -58,11 +61,27 @@ std::string cu_error(const char* what, CUresult r) {
   return std::string(what) + " failed with CUresult " + std::to_string((int)r);
 }
 
-std::mutex g_mu;  // guards the maps below (creation only; entries are never removed)
-std::map<int, std::unique_ptr<DeviceRuntime>> g_devices;
-std::map<std::tuple<int64_t, std::vector<int>>, std::unique_ptr<Workspace>> g_workspaces;
-ErrorRecord* g_errors = nullptr;  // [kMaxDevices], host-mapped
+// A lazily set-up object and the lock held while it is set up (first use) and looked at.
+template <typename T>
+struct Cell {
+  std::mutex mu;
+  std::unique_ptr<T> obj;
+};
+using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool>;  // site, group, bytes, part.
+std::mutex g_mu;  // guards the maps' structure only (look-up, insertion); no CUDA call under it
+std::map<int, std::unique_ptr<Cell<DeviceRuntime>>> g_devices;
+std::map<WsKey, std::unique_ptr<Cell<Workspace>>> g_workspaces;
 constexpr int kMaxDevices = 64;
+std::atomic<ErrorRecord*> g_errors{nullptr};  // [kMaxDevices], host-mapped
+std::once_flag g_errors_once;
+
+template <typename K, typename T>
+Cell<T>* cell(std::map<K, std::unique_ptr<Cell<T>>>& cells, const K& key) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& c = cells[key];
+  if (!c) c = std::make_unique<Cell<T>>();
+  return c.get();
+}
 
 const char* what_name(int what) {
   switch (what) {
@@ -78,8 +97,9 @@ const char* what_name(int what) {
 }  // namespace
 
 std::string device_runtime(int ordinal, DeviceRuntime** out) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& slot = g_devices[ordinal];
+  Cell<DeviceRuntime>* c = cell(g_devices, ordinal);
+  std::lock_guard<std::mutex> lock(c->mu);  // this device's set-up only
+  auto& slot = c->obj;
   if (!slot) {
     auto dev = std::make_unique<DeviceRuntime>();
     dev->ordinal = ordinal;
@@ -148,22 +168,23 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
 }
 
 ErrorRecord* error_record(int ordinal) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_errors) {
+  std::call_once(g_errors_once, [] {
     void* p = nullptr;
     if (cudaHostAlloc(&p, sizeof(ErrorRecord) * kMaxDevices,
                       cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-      return nullptr;
+      return;
     std::memset(p, 0, sizeof(ErrorRecord) * kMaxDevices);
-    g_errors = static_cast<ErrorRecord*>(p);
-  }
-  return ordinal >= 0 && ordinal < kMaxDevices ? &g_errors[ordinal] : nullptr;
+    g_errors.store(static_cast<ErrorRecord*>(p));
+  });
+  ErrorRecord* errors = g_errors.load();
+  return errors && ordinal >= 0 && ordinal < kMaxDevices ? &errors[ordinal] : nullptr;
 }
 
 std::string pending_error() {
-  if (!g_errors) return "";
+  ErrorRecord* errors = g_errors.load();
+  if (!errors) return "";
   for (int i = 0; i < kMaxDevices; ++i) {
-    const volatile ErrorRecord& e = g_errors[i];
+    const volatile ErrorRecord& e = errors[i];
     if (!e.set) continue;
     char buf[640];
     std::snprintf(
@@ -178,23 +199,23 @@ std::string pending_error() {
   return "";
 }
 
-std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
-                      bool with_partials, Workspace** out) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& slot = g_workspaces[{site, ordinals}];
-  if (slot) {
-    if (slot->block_bytes != block_bytes)
-      return "internal: workspace of call site " + std::to_string(site) + " reused with another "
-             "block size";
-    *out = slot.get();
-    return "";
+namespace {
+
+void free_workspace(Workspace* ws) {
+  for (int i = 0; i < ws->n; ++i) {
+    cudaSetDevice(ws->ordinals[i]);
+    for (void* p : {(void*)ws->peers[0].stage[i], (void*)ws->peers[0].flags[i], (void*)ws->part[i],
+                    (void*)ws->acc[i]})
+      if (p) cudaFree(p);
+    if (ws->done[i]) cudaEventDestroy(ws->done[i]);
   }
-  const int n = (int)ordinals.size();
-  auto ws = std::make_unique<Workspace>();
-  ws->n = n;
-  ws->ordinals = ordinals;
-  ws->block_bytes = block_bytes;
-  DeviceGuard guard;
+}
+
+// Enables peer access, allocates and clears every member's buffers; on failure frees them.
+std::string create_workspace(Workspace* ws, bool with_partials) {
+  const int n = ws->n;
+  const std::vector<int>& ordinals = ws->ordinals;
+  const int64_t block_bytes = ws->block_bytes;
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j) continue;
@@ -209,11 +230,13 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
       else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
     }
   }
-  Peers base{};
+  Peers& base = ws->peers[0];
   base.n = n;
   for (int i = 0; i < n; ++i) {
     cudaSetDevice(ordinals[i]);
     cudaError_t e;
+    if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
+      return cuda_error("cudaEventCreate (workspace)", e);
     if ((e = cudaMalloc(&base.stage[i], (n - 1) * block_bytes)))
       return cuda_error("cudaMalloc (staging)", e);
     if ((e = cudaMalloc(&base.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
@@ -221,6 +244,8 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
       return cuda_error("cudaMalloc (partials)", e);
     if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
       return cuda_error("cudaMalloc (peer sum)", e);
+    // A private stream: the synchronisation below waits for this memset only, never for work
+    // of other calls (which may be waiting on peers).
     cudaStream_t s;
     if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
       return cuda_error("cudaStreamCreate", e);
@@ -234,9 +259,38 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
     ws->peers[i].rank = i;
     ws->peers[i].device = ordinals[i];
   }
-  slot = std::move(ws);
-  *out = slot.get();
   return "";
+}
+
+}  // namespace
+
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
+                      bool with_partials, Workspace** out) {
+  // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
+  // so calls on other workspaces (and their hot paths) never wait for it.
+  Cell<Workspace>* c = cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials});
+  std::lock_guard<std::mutex> lock(c->mu);
+  if (!c->obj) {
+    auto ws = std::make_unique<Workspace>();
+    ws->n = (int)ordinals.size();
+    ws->ordinals = ordinals;
+    ws->block_bytes = block_bytes;
+    DeviceGuard guard;
+    if (std::string err = create_workspace(ws.get(), with_partials); !err.empty()) {
+      free_workspace(ws.get());
+      return err;
+    }
+    c->obj = std::move(ws);
+  }
+  *out = c->obj.get();
+  return "";
+}
+
+int64_t memory_in_use(int ordinal) {
+  DeviceGuard guard;
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(ordinal) || cudaMemGetInfo(&free_b, &total_b)) return -1;
+  return (int64_t)(total_b - free_b);
 }
 
 }  // namespace jaxoverlap

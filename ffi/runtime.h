@@ -1,7 +1,9 @@
 // Per-device resources created once and shared by every call: green-context SM partitions and
 // their streams, fork/join events, the cuBLASLt runner, the host-mapped error records, and the
-// symmetric workspaces of each (call site, group). All entry points are thread-safe: XLA calls
-// the handlers from one thread per device, concurrently.
+// symmetric workspaces of each (call kind, group). All entry points are thread-safe: XLA calls
+// the handlers from one thread per device, concurrently. First-use setup (allocation, peer
+// access, memsets) runs under a lock of the object being set up, never under the process-wide
+// lock that every call's look-up takes.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,8 +50,19 @@ ErrorRecord* error_record(int ordinal);
 // "" if no kernel of this process has reported a timeout, else the sentence describing it.
 std::string pending_error();
 
-// Memory that every rank of a group can read and write: allocated once per (call site, group)
-// on all member devices by the first member to arrive.
+// Memory that every rank of a group can read and write: allocated once per (site, group, size)
+// on all member devices by the first member to arrive, and reused by every later call with the
+// same key. `site` is not a call-site counter: the lowering derives it from what every rank and
+// every process knows identically (op, shapes, dtype, settings; jaxoverlap/fused.py,
+// `_table_attrs`), so fresh jit wrappers and unrolled layers of one op share one workspace, and
+// memory grows with the number of distinct ops, not of compiled call sites.
+//
+// Ordering of the calls that share a workspace: on each device, every call waits for the
+// previous call's `done[rank]` (recorded on XLA's stream after its finish kernel) before it
+// forks, so calls from different XLA streams never overlap on one workspace and the epochs
+// (Flags::epoch) advance by one per call. Across ranks, calls of one workspace must be issued in
+// the same order (they are within one SPMD program; two programs that share a workspace must
+// not run concurrently from two threads -- different ops or shapes never share one).
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank
@@ -57,11 +70,15 @@ struct Workspace {
   Peers peers[kMaxRanks];         // the table each rank's kernels get (rank field differs)
   char* part[kMaxRanks] = {};     // GEMM partials of the n - 1 foreign blocks, per rank
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
-  bool warmed[kMaxRanks] = {};    // touched only by the thread of that rank's device
+  bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
+  cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
 };
 
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
                       bool with_partials, Workspace** out);
+
+// Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
+int64_t memory_in_use(int ordinal);
 
 // Keeps the current device of the calling thread across a scope that switches devices.
 class DeviceGuard {

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
+import hashlib
 import math
 
 import jax
@@ -79,7 +79,6 @@ def auto_predicts_win(m_total, k, n_cols, n):
     return big_enough and k <= _AUTO_MAX_K
 
 
-_site_ids = itertools.count(1)
 _stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
 _profile: contextvars.ContextVar[int] = contextvars.ContextVar("profile", default=0)
 
@@ -186,16 +185,33 @@ def _group_table(ctx, axis_name):
     if runtime.native() is None:
         raise FusedUnavailable(runtime.unavailable_reason())
     why = topology.unfusable_reason(
-        table, process_index=jax.process_index(), can_access_peer=runtime.can_access_peer
+        table,
+        process_index=jax.process_index(),
+        can_access_peer=runtime.can_access_peer,
+        compute_capability=runtime.compute_capability,
+        peer_link=runtime.peer_link,
     )
     if why:
         raise FusedUnavailable(why)
     return table
 
 
-def _table_attrs(table, comm_sms, chunks, timeout_s):
+def site_key(table, comm_sms, chunks, kind):
+    """The workspace key of a call (the ``site`` attribute): a hash of what every rank and every
+    process knows identically -- the group table, the settings and ``kind`` (the op's target,
+    operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
+    one workspace (ffi/runtime.h: fresh jit wrappers, unrolled layers of one op); different ops
+    and shapes never do, so two programs run from two threads never share one."""
+    text = repr(
+        (table.groups.tolist(), int(comm_sms), int(chunks), _stall_rank.get(), _profile.get())
+        + tuple(kind)
+    )
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _table_attrs(table, comm_sms, chunks, timeout_s, kind=()):
     return dict(
-        site=next(_site_ids),
+        site=site_key(table, comm_sms, chunks, kind),
         ordinals=table.ordinals,
         ranks=table.ranks,
         groups=table.groups.reshape(-1),
@@ -221,7 +237,8 @@ def lower(op, ctx, x, w, params):
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms or setting[1]
     runtime.register_targets()
-    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s)
+    kind = (GEMM_RS_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind)
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 
 
@@ -295,7 +312,8 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
     if chunks is None:
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
-    attrs = _table_attrs(table, comm_sms, chunks, timeout_s)
+    kind = (RS_TARGET, tuple(aval.shape), str(aval.dtype))
+    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind)
     return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
 
 

@@ -95,6 +95,29 @@ def can_access_peer(a: int, b: int) -> bool:
     return bool(mod is not None and mod.can_access_peer(int(a), int(b)))
 
 
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA ordinal; (-1, -1) when unknown."""
+    mod = native()
+    return tuple(mod.compute_capability(int(ordinal))) if mod is not None else (-1, -1)
+
+
+def peer_link(a: int, b: int) -> dict:
+    """The link ``a -> b`` as CUDA reports it: ``access``, ``native_atomics`` (true for NVLink /
+    NVSwitch peers only, false over PCIe) and ``performance_rank``."""
+    mod = native()
+    if mod is None:
+        return {"access": False, "native_atomics": False, "performance_rank": -1}
+    return dict(mod.peer_link(int(a), int(b)))
+
+
+def memory_in_use(ordinal: int) -> int:
+    """Device memory in use on a CUDA ordinal (total - free, all allocators), bytes."""
+    mod = native()
+    if mod is None:
+        raise RuntimeError(_load_error)
+    return int(mod.memory_in_use(int(ordinal)))
+
+
 def pending_error() -> str:
     """The timeout a jaxoverlap kernel of this process reported ('' if none).
 
