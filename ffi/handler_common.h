@@ -124,18 +124,71 @@ inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, Devic
   return ffi::Error::Success();
 }
 
+// The output a call poisons with NaN when one of its waits gave up.
+struct Output {
+  void* data;
+  int64_t bytes;
+  DType dtype;
+};
+
 // The handlers' join: records the done events on the green-context streams they launched on (the
-// GEMM stream only if `gemm`), makes XLA's stream wait for them, runs the finish kernel (epoch +
-// 1) on XLA's stream and records the workspace's `ws_done` after it.
+// GEMM stream only if `gemm`), makes XLA's stream wait for them, runs the finish kernel on XLA's
+// stream (NaN into `out` if a wait of this rank gave up; epoch + 1) and records the workspace's
+// done event after it.
 inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                       const Partition* part, bool gemm, Flags* local, cudaEvent_t ws_done) {
+                       const Partition* part, bool gemm, Workspace* ws, int rank, Output out) {
   if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
   CK(cudaEventRecord(dev->comm_done, part->comm));
   if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
   CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
-  CK(launch_finish(local, xla_stream));
-  CK(cudaEventRecord(ws_done, xla_stream));
+  CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
+                          xla_stream));
+  CK(cudaEventRecord(ws->done[rank], xla_stream));
   return ffi::Error::Success();
+}
+
+// Ends a call that launches nothing more on this rank but must still count as one call of `ws`
+// (epochs stay equal on every rank): after whatever it launched, release the staging slots this
+// rank would have consumed and advance the epoch, on XLA's stream. Best effort: errors of these
+// calls are ignored (the caller is returning an error anyway).
+inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partition* part,
+                       Workspace* ws, int rank) {
+  if (part) {
+    cudaEventRecord(dev->gemm_done, part->gemm);
+    cudaEventRecord(dev->comm_done, part->comm);
+    cudaStreamWaitEvent(xla_stream, dev->gemm_done);
+    cudaStreamWaitEvent(xla_stream, dev->comm_done);
+  }
+  cudaStreamWaitEvent(xla_stream, ws->done[rank]);
+  launch_release_slots(ws->peers[rank], xla_stream);
+  launch_finish(ws->peers[rank].flags[rank], xla_stream);
+  cudaEventRecord(ws->done[rank], xla_stream);
+  cudaGetLastError();
+}
+
+// Starts this rank's call of `ws` (runtime.h: begin_call). If the call is the one chosen to
+// report an earlier failure, every rank refuses it alike: it launches nothing but close_call and
+// returns that report as its error.
+inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                             Workspace* ws, int rank, uint32_t* index) {
+  std::string refused;
+  *index = begin_call(ws, rank, &refused);
+  if (refused.empty()) return ffi::Error::Success();
+  close_call(xla_stream, dev, nullptr, ws, rank);
+  return ffi::Error(ffi::ErrorCode::kAborted,
+                    std::string(kWhat) + ": an earlier fused call failed: " + refused);
+}
+
+// A call that failed on this rank after begin_call (its peers may have launched): raise the
+// call's abort word so every rank's waits of this call give up instead of spinning until the
+// timeout, close the call, and return `err`.
+inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                            const Partition* part, Workspace* ws, int rank, uint32_t index,
+                            const ffi::Error& err) {
+  *(volatile uint32_t*)ws->abort = index;
+  close_call(xla_stream, dev, part, ws, rank);
+  return ffi::Error(err.errc().value_or(ffi::ErrorCode::kInternal),
+                    err.message() + " (the call was given up on every rank of its group)");
 }
 
 // The attributes both handlers take after their buffers, in this order (the lowering,

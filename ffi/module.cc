@@ -108,7 +108,9 @@ NB_MODULE(_native, m) {
   m.doc() = "jaxoverlap native extension: XLA FFI handlers for the fused GPU ops";
   m.def("registrations", &registrations, "FFI target name -> {stage: handler capsule}");
   m.def("pending_error", &jaxoverlap::pending_error,
-        "The timeout a kernel of this process reported ('' if none).");
+        "The oldest unreported failure of a fused call in this process ('' if none).");
+  m.def("take_error", &jaxoverlap::take_error,
+        "pending_error(), and forget it (jaxoverlap.check_errors()).");
   m.def("_gemm_alignment_check", &gemm_alignment_check,
         "Test-only: relative error of the GEMM runner with operand pointers `offset` bytes off "
         "256-byte alignment.");

@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -74,6 +75,8 @@ std::map<WsKey, std::unique_ptr<Cell<Workspace>>> g_workspaces;
 constexpr int kMaxDevices = 64;
 std::atomic<ErrorRecord*> g_errors{nullptr};  // [kMaxDevices], host-mapped
 std::once_flag g_errors_once;
+std::mutex g_pending_mu;                 // guards g_pending; taken alone or before a seq_mu
+std::vector<std::string> g_pending;      // failures noticed, not yet taken by check_errors()
 
 template <typename K, typename T>
 Cell<T>* cell(std::map<K, std::unique_ptr<Cell<T>>>& cells, const K& key) {
@@ -180,23 +183,105 @@ ErrorRecord* error_record(int ordinal) {
   return errors && ordinal >= 0 && ordinal < kMaxDevices ? &errors[ordinal] : nullptr;
 }
 
-std::string pending_error() {
-  ErrorRecord* errors = g_errors.load();
-  if (!errors) return "";
-  for (int i = 0; i < kMaxDevices; ++i) {
-    const volatile ErrorRecord& e = errors[i];
-    if (!e.set) continue;
-    char buf[640];
-    std::snprintf(
-        buf, sizeof(buf),
-        "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
-        "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running "
-        "the same program. This device's CUDA context is unusable now; restart the process.",
-        e.op == kOpGemmRs ? "jaxoverlap.matmul_reduce_scatter" : "jaxoverlap.tma_reduce_scatter",
-        e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
-    return buf;
+namespace {
+
+std::string describe(const volatile ErrorRecord& e) {
+  char buf[640];
+  std::snprintf(
+      buf, sizeof(buf),
+      "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
+      "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running the "
+      "same program. That call gave up on every rank of its group; the outputs of ranks whose "
+      "waits gave up were filled with NaN. Later fused calls run normally.",
+      e.op == kOpGemmRs ? "jaxoverlap.matmul_reduce_scatter" : "jaxoverlap.tma_reduce_scatter",
+      e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
+  return buf;
+}
+
+// Runs fn(ws) under ws->seq_mu for every workspace set up so far (no other lock held).
+template <typename F>
+void for_each_workspace(F fn) {
+  std::vector<Cell<Workspace>*> cells;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [key, c] : g_workspaces) cells.push_back(c.get());
   }
-  return "";
+  for (Cell<Workspace>* c : cells) {
+    Workspace* ws;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      ws = c->obj.get();
+    }
+    if (!ws) continue;
+    std::lock_guard<std::mutex> lock(ws->seq_mu);
+    fn(ws);
+  }
+}
+
+// Moves kernel-written records into g_pending and schedules their report on every workspace.
+void notice_errors() {
+  ErrorRecord* errors = g_errors.load();
+  if (!errors) return;
+  std::string found;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    for (int i = 0; i < kMaxDevices; ++i) {
+      volatile ErrorRecord& e = errors[i];
+      if (!e.set) continue;
+      g_pending.push_back(describe(e));
+      if (found.empty()) found = g_pending.back();
+      e.set = 0;
+    }
+  }
+  if (found.empty()) return;
+  for_each_workspace([&](Workspace* ws) {
+    uint32_t last = 0;
+    for (int r = 0; r < ws->n; ++r) last = std::max(last, ws->issued[r]);
+    bool pending = false;  // an earlier report not yet refused on every rank
+    for (int r = 0; r < ws->n; ++r)
+      pending |= ws->refuse_at && (int32_t)(ws->issued[r] - ws->refuse_at) < 0;
+    if (pending) return;
+    ws->refuse_at = last + 1;
+    ws->refuse_msg = found;
+  });
+}
+
+}  // namespace
+
+std::string pending_error() {
+  notice_errors();
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  return g_pending.empty() ? "" : g_pending.front();
+}
+
+std::string take_error() {
+  notice_errors();
+  std::string e;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    if (g_pending.empty()) return "";
+    e = g_pending.front();
+    g_pending.erase(g_pending.begin());
+    if (!g_pending.empty()) return e;
+  }
+  // Reported here: cancel the refusals no rank has reached yet (under seq_mu, so a rank either
+  // refused already -- then the refusal stands for all -- or never will).
+  for_each_workspace([](Workspace* ws) {
+    bool reached = false;
+    for (int r = 0; r < ws->n; ++r)
+      reached |= (int32_t)(ws->issued[r] - ws->refuse_at) >= 0;
+    if (ws->refuse_at && !reached) ws->refuse_at = 0;
+  });
+  return e;
+}
+
+uint32_t begin_call(Workspace* ws, int rank, std::string* refused) {
+  notice_errors();
+  std::lock_guard<std::mutex> lock(ws->seq_mu);
+  const uint32_t index = ++ws->issued[rank];
+  refused->clear();
+  if (ws->refuse_at == index) *refused = ws->refuse_msg;
+  return index;
 }
 
 namespace {
@@ -209,6 +294,7 @@ void free_workspace(Workspace* ws) {
       if (p) cudaFree(p);
     if (ws->done[i]) cudaEventDestroy(ws->done[i]);
   }
+  if (ws->abort) cudaFreeHost(ws->abort);
 }
 
 // Enables peer access, allocates and clears every member's buffers; on failure frees them.
@@ -232,6 +318,12 @@ std::string create_workspace(Workspace* ws, bool with_partials) {
   }
   Peers& base = ws->peers[0];
   base.n = n;
+  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t),
+                                    cudaHostAllocMapped | cudaHostAllocPortable))
+    return cuda_error("cudaHostAlloc (abort word)", e);
+  *ws->abort = 0;
+  // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
+  base.abort = ws->abort;
   for (int i = 0; i < n; ++i) {
     cudaSetDevice(ordinals[i]);
     cudaError_t e;

@@ -47,8 +47,11 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out);
 
 // Host-mapped error record of a device (usable from kernels through UVA).
 ErrorRecord* error_record(int ordinal);
-// "" if no kernel of this process has reported a timeout, else the sentence describing it.
+// "" if no failure of a fused call in this process is waiting to be reported, else the sentence
+// describing the oldest one (op, device, rank, peer, chunk). Does not clear it.
 std::string pending_error();
+// pending_error(), cleared (jaxoverlap.check_errors()).
+std::string take_error();
 
 // Memory that every rank of a group can read and write: allocated once per (site, group, size)
 // on all member devices by the first member to arrive, and reused by every later call with the
@@ -72,7 +75,21 @@ struct Workspace {
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
   bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
   cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
+  uint32_t* abort = nullptr;      // host-mapped abort word (Peers::abort)
+  // Calls issued per rank (under seq_mu). Every counted call runs the finish kernel exactly once,
+  // so issued[r] + 1 is the epoch target of rank r's next call, the same on every rank.
+  std::mutex seq_mu;
+  uint32_t issued[kMaxRanks] = {};
+  uint32_t refuse_at = 0;         // a failure is reported by call number `refuse_at` on each rank
+  std::string refuse_msg;
 };
+
+// Starts rank `rank`'s next call of `ws`: returns its number (= its epoch target) and sets
+// `refused` to the report of an earlier failure if this call is the one chosen to raise it.
+// A reported failure is scheduled for call max(issued) + 1 on every workspace, chosen under
+// seq_mu: no rank has issued it yet, so every rank refuses the same call (asynchronous dispatch
+// runs hosts ahead of their GPUs; refusing "the next call" per rank would not be symmetric).
+uint32_t begin_call(Workspace* ws, int rank, std::string* refused);
 
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
                       bool with_partials, Workspace** out);

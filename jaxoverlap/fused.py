@@ -202,10 +202,7 @@ def site_key(table, comm_sms, chunks, kind):
     operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
     one workspace (ffi/runtime.h: fresh jit wrappers, unrolled layers of one op); different ops
     and shapes never do, so two programs run from two threads never share one."""
-    text = repr(
-        (table.groups.tolist(), int(comm_sms), int(chunks), _stall_rank.get(), _profile.get())
-        + tuple(kind)
-    )
+    text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 

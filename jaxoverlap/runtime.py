@@ -118,12 +118,32 @@ def memory_in_use(ordinal: int) -> int:
     return int(mod.memory_in_use(int(ordinal)))
 
 
-def pending_error() -> str:
-    """The timeout a jaxoverlap kernel of this process reported ('' if none).
+class FusedCallError(RuntimeError):
+    """A fused call gave up: a cross-GPU wait timed out (a peer failed, stalled or ran another
+    program) or a rank failed after its peers launched. The message names op, device, rank,
+    peer and chunk."""
 
-    Kernels that time out record op, rank, peer and chunk in host memory before they trap; the
-    next fused call raises with it, and this reads it directly (e.g. after XLA reported the trap
-    as a generic CUDA error).
+
+def pending_error() -> str:
+    """The oldest unreported failure of a fused call in this process ('' if none); not cleared.
+
+    A wait that gives up records op, rank, peer and chunk in host memory, makes every rank of
+    that call give up too (the ranks whose waits gave up fill their outputs with NaN) and lets
+    the kernels exit: the process and its GPUs stay usable. The failure is then reported by the
+    next fused call of every workspace (it raises; the call after it runs normally), unless
+    `check_errors` reported it first.
     """
     mod = _native
     return mod.pending_error() if mod is not None else ""
+
+
+def check_errors() -> None:
+    """Raise `FusedCallError` for the oldest unreported failure of a fused call, and forget it.
+
+    Call it after ``jax.block_until_ready`` on a fused op's result to learn about a failure
+    before using the (NaN-filled) values; without it, the next fused call raises the failure.
+    """
+    mod = _native
+    msg = mod.take_error() if mod is not None else ""
+    if msg:
+        raise FusedCallError(msg)

@@ -63,11 +63,16 @@ static_assert(kReducePushSmem <= kCommSmem, "reduce-push smem");
 cudaError_t preload_comm_kernels();  // force-load every kernel below on the current device
 cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream);
 // GEMM-stream helpers: signal a finished chunk, wait for a chunk's inputs, release the staging
-// slots this rank consumed, and (on XLA's stream after the join) advance the epoch.
+// slots this rank consumed, and (on XLA's stream after the join) poison a given-up call's output
+// and advance the epoch.
 cudaError_t launch_signal_ready(Flags* local, int index, cudaStream_t stream);
 cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from_reduced,
                               int op, uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
 cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream);
 cudaError_t launch_finish(Flags* local, cudaStream_t stream);
+// launch_finish for a call with an output: first fills out[0, bytes) with NaN if a wait of this
+// rank gave up in the current call (Flags::gave_up).
+cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
+                                 cudaStream_t stream);
 
 }  // namespace jaxoverlap
