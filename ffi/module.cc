@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -52,10 +53,19 @@ double gemm_alignment_check(int ordinal, int offset) {
   }
   const size_t bytes = n * n * 2 + 512;
   char *pa = nullptr, *pb = nullptr, *pd = nullptr;
+  // One stream per device for the life of the process: the runner keeps a cuBLASLt workspace
+  // per stream.
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
   cudaStream_t s = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!streams.count(ordinal) && !cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking))
+      streams[ordinal] = s;
+    s = streams.count(ordinal) ? streams[ordinal] : nullptr;
+  }
   std::string err;
-  if (cudaMalloc(&pa, bytes) || cudaMalloc(&pb, bytes) || cudaMalloc(&pd, bytes) ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking))
+  if (!s || cudaMalloc(&pa, bytes) || cudaMalloc(&pb, bytes) || cudaMalloc(&pd, bytes))
     err = "allocation failed";
   if (err.empty()) {
     cudaMemcpy(pa + offset, a.data(), n * n * 2, cudaMemcpyHostToDevice);
@@ -70,7 +80,6 @@ double gemm_alignment_check(int ordinal, int offset) {
   }
   for (void* p : {(void*)pa, (void*)pb, (void*)pd})
     if (p) cudaFree(p);
-  if (s) cudaStreamDestroy(s);
   if (!err.empty()) throw std::runtime_error(err);
   double max_err = 0, scale = 1e-30;
   for (int64_t i = 0; i < n; ++i)

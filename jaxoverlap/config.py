@@ -44,11 +44,13 @@ class Config:
       chunks: sub-chunks each rank's row block is split into, to shorten pipeline fill and
         drain. ``None`` picks the measured default.
       timeout_s: bound, in seconds, on every cross-GPU wait. A peer that does not signal within
-        this time makes the op fail with an error naming the op, rank, peer and chunk, instead of
-        hanging. The default, 100 s, is DeepEP's (PyTorch's NCCL watchdog waits 10 min): a healthy
-        fused call takes milliseconds, so 100 s still surfaces a real hang within two minutes,
-        while a profiler, compute-sanitizer, MPS time-slicing or a debugger that pauses one GPU
-        for seconds does not trip it. Finite, positive, at most `MAX_TIMEOUT_S`.
+        this time makes the call give up on every rank instead of hanging: the outputs of the
+        ranks that gave up are NaN, and `jaxoverlap.check_errors()` (or else the next fused
+        call) raises an error naming the op, rank, peer and chunk. The default, 100 s, is
+        DeepEP's (PyTorch's NCCL watchdog waits 10 min): a healthy fused call takes
+        milliseconds, so 100 s still surfaces a real hang within two minutes, while a profiler,
+        compute-sanitizer, MPS time-slicing or a debugger that pauses one GPU for seconds does
+        not trip it. Finite, positive, at most `MAX_TIMEOUT_S`.
       deterministic: add partial sums in a fixed order, so equal inputs give equal bits on every
         run. ``False`` allows arrival-order reductions where a kernel offers them; today's
         kernels always reduce in a fixed order, so it changes nothing yet.

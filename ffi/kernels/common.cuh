@@ -101,9 +101,10 @@ struct WaitSite {
 };
 
 // Spins until *p reaches `target` (monotonic epochs) and returns true. Gives up and returns
-// false when the call is aborted (also when the flag was satisfied by a later call's value) (Peers::abort == target epoch `e` of the call, set by another
-// wait or by a host) or after `timeout_ns`; a timeout fills the host-mapped error record, prints
-// it and sets the abort word. Either way it marks this rank's Flags::gave_up = e (the join then
+// false when the call is aborted (Peers::abort == target epoch `e` of the call, set by another
+// wait or by a host; also checked when the flag was satisfied only by a later call's value) or
+// after `timeout_ns`; a timeout fills the host-mapped error record, prints it and sets the
+// abort word. Either way it marks this rank's Flags::gave_up = e (the join then
 // fills the outputs with NaN). Callers stop issuing work, drain their TMA operations and return:
 // no __trap, so the CUDA context stays usable and the next call works.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
@@ -123,7 +124,8 @@ __device__ __noinline__ bool wait_flag(const uint32_t* p, uint32_t target, bool 
       v = ld_relaxed(p, sys);
       if ((int32_t)(v - target) >= 0) break;
       if ((++spins & 63u) == 0) {
-        if (abort && *abort == e) {
+        // The abort word is in host memory (a PCIe read): look at it every 1024 polls only.
+        if ((spins & 1023u) == 0 && abort && *abort == e) {
           local->gave_up = e;
           return false;
         }
