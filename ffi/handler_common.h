@@ -149,10 +149,10 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
 
 // Ends a call that launches nothing more on this rank but must still count as one call of `ws`
 // (epochs stay equal on every rank): after whatever it launched, release the staging slots this
-// rank would have consumed and advance the epoch, on XLA's stream. Best effort: errors of these
-// calls are ignored (the caller is returning an error anyway).
+// rank would have consumed and advance the epoch (filling `poison` with NaN first, if given), on
+// XLA's stream. Best effort: errors of these CUDA calls are ignored.
 inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partition* part,
-                       Workspace* ws, int rank) {
+                       Workspace* ws, int rank, const Output* poison = nullptr) {
   if (part) {
     cudaEventRecord(dev->gemm_done, part->gemm);
     cudaEventRecord(dev->comm_done, part->comm);
@@ -161,7 +161,11 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   }
   cudaStreamWaitEvent(xla_stream, ws->done[rank]);
   launch_release_slots(ws->peers[rank], xla_stream);
-  launch_finish(ws->peers[rank].flags[rank], xla_stream);
+  Flags* local = ws->peers[rank].flags[rank];
+  if (poison)
+    launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true);
+  else
+    launch_finish(local, xla_stream);
   cudaEventRecord(ws->done[rank], xla_stream);
   cudaGetLastError();
 }
@@ -181,14 +185,19 @@ inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceR
 
 // A call that failed on this rank after begin_call (its peers may have launched): raise the
 // call's abort word so every rank's waits of this call give up instead of spinning until the
-// timeout, close the call, and return `err`.
+// timeout, close the call with a NaN output, and report `err` the way a kernel's timeout is
+// reported (check_errors(), or the next fused call on every rank). It returns success to XLA on
+// purpose: an error would stop this rank's program here while its peers' programs go on to
+// their next fused calls, and the ranks' calls would pair up wrongly from then on.
 inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
                             const Partition* part, Workspace* ws, int rank, uint32_t index,
-                            const ffi::Error& err) {
+                            const Output& out, const ffi::Error& err) {
   *(volatile uint32_t*)ws->abort = index;
-  close_call(xla_stream, dev, part, ws, rank);
-  return ffi::Error(err.errc().value_or(ffi::ErrorCode::kInternal),
-                    err.message() + " (the call was given up on every rank of its group)");
+  close_call(xla_stream, dev, part, ws, rank, &out);
+  report_failure(err.message() + " (on device " + std::to_string(ws->ordinals[rank]) +
+                 ", rank " + std::to_string(rank) + "; the call was given up on every rank of "
+                 "its group and this rank's output filled with NaN)");
+  return ffi::Error::Success();
 }
 
 // The attributes both handlers take after their buffers, in this order (the lowering,

@@ -55,6 +55,8 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
     if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
+    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
+      return internal(kWhat, "test-only failure injected on this rank after begin_call");
     ErrorRecord* err = error_record(device);
     if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
     const Peers& peers = ws->peers[rank];
@@ -102,7 +104,9 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     return join(kWhat, xla_stream, dev, part, /*gemm=*/false, ws, rank,
                 {c.out, (int64_t)out->size_bytes(), dtype});
   }();
-  if (result.failure()) return fail_call(kWhat, xla_stream, dev, part, ws, rank, index, result);
+  if (result.failure())
+    return fail_call(kWhat, xla_stream, dev, part, ws, rank, index,
+                     {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, result);
   return result;
 }
 

@@ -218,6 +218,21 @@ void for_each_workspace(F fn) {
   }
 }
 
+// Every workspace refuses its call max(issued) + 1 with `found` (runtime.h: begin_call), unless
+// an earlier report is still pending there.
+void schedule_report(const std::string& found) {
+  for_each_workspace([&](Workspace* ws) {
+    uint32_t last = 0;
+    for (int r = 0; r < ws->n; ++r) last = std::max(last, ws->issued[r]);
+    bool pending = false;  // an earlier report not yet refused on every rank
+    for (int r = 0; r < ws->n; ++r)
+      pending |= ws->refuse_at && (int32_t)(ws->issued[r] - ws->refuse_at) < 0;
+    if (pending) return;
+    ws->refuse_at = last + 1;
+    ws->refuse_msg = found;
+  });
+}
+
 // Moves kernel-written records into g_pending and schedules their report on every workspace.
 void notice_errors() {
   ErrorRecord* errors = g_errors.load();
@@ -233,20 +248,18 @@ void notice_errors() {
       e.set = 0;
     }
   }
-  if (found.empty()) return;
-  for_each_workspace([&](Workspace* ws) {
-    uint32_t last = 0;
-    for (int r = 0; r < ws->n; ++r) last = std::max(last, ws->issued[r]);
-    bool pending = false;  // an earlier report not yet refused on every rank
-    for (int r = 0; r < ws->n; ++r)
-      pending |= ws->refuse_at && (int32_t)(ws->issued[r] - ws->refuse_at) < 0;
-    if (pending) return;
-    ws->refuse_at = last + 1;
-    ws->refuse_msg = found;
-  });
+  if (!found.empty()) schedule_report(found);
 }
 
 }  // namespace
+
+void report_failure(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    g_pending.push_back(what);
+  }
+  schedule_report(what);
+}
 
 std::string pending_error() {
   notice_errors();

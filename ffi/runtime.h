@@ -52,6 +52,9 @@ ErrorRecord* error_record(int ordinal);
 std::string pending_error();
 // pending_error(), cleared (jaxoverlap.check_errors()).
 std::string take_error();
+// Queues a failure found by a host (not a kernel) for pending_error() and schedules its report
+// on every workspace, like a kernel's timeout record.
+void report_failure(const std::string& what);
 
 // Memory that every rank of a group can read and write: allocated once per (site, group, size)
 // on all member devices by the first member to arrive, and reused by every later call with the

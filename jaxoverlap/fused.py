@@ -99,6 +99,18 @@ def _stalled_rank_for_tests(rank: int):
 
 
 @contextlib.contextmanager
+def _failed_rank_for_tests(rank: int):
+    """Test-only: ops lowered inside this block make the handler of ``rank`` fail after it
+    counted the call (as an out-of-memory or a cuBLASLt error would), while its peers launch:
+    every rank must give up that call promptly (abort word, not the timeout)."""
+    token = _stall_rank.set(-2 - int(rank))
+    try:
+        yield
+    finally:
+        _stall_rank.reset(token)
+
+
+@contextlib.contextmanager
 def _gemm_only_for_tools():
     """Tools only: fused GEMM+RS calls lowered inside this block run their GEMM schedule on the
     GEMM partition without any communication, and `tma_reduce_scatter` pushes without summing

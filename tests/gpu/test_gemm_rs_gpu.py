@@ -184,18 +184,22 @@ def test_tma_reduce_scatter(gpus):
 
 _STALL_SCRIPT = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np, sys
+    import jax, jax.numpy as jnp, numpy as np, sys, time
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
     import jaxoverlap
     from jaxoverlap import fused
-    kernel, report = sys.argv[1], sys.argv[2]
+    kernel, report, fault = sys.argv[1], sys.argv[2], sys.argv[3]
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    cfg = jaxoverlap.Config(backend="fused", timeout_s=1.0)
+    # stall: rank 1 never signals, its peer times out after 1 s. fail: rank 1's handler fails
+    # after counting the call; with a 60 s timeout, only the abort word can end the call fast.
+    timeout = 1.0 if fault == "stall" else 60.0
+    knob = fused._stalled_rank_for_tests if fault == "stall" else fused._failed_rank_for_tests
+    cfg = jaxoverlap.Config(backend="fused", timeout_s=timeout)
     if kernel == "gemm_rs":
         f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
     else:  # the standalone reduce-scatter's schedule (reduce-push at n = 2)
-        f = lambda x, w: fused.tma_reduce_scatter(x @ w, "tp", comm_sms=8, timeout_s=1.0)
+        f = lambda x, w: fused.tma_reduce_scatter(x @ w, "tp", comm_sms=8, timeout_s=timeout)
     ref = lambda x, w: lax.psum_scatter(x @ w, "tp", scatter_dimension=0, tiled=True)
     wrap = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                                             out_specs=P("tp", None)))
@@ -207,11 +211,15 @@ _STALL_SCRIPT = textwrap.dedent(
         except Exception as e:
             print(tag, "RAISED", type(e).__name__, str(e).replace(chr(10), " ")[:1500])
         sys.stdout.flush()
-    with fused._stalled_rank_for_tests(1):
+    with knob(1):
         g = wrap(f)
-        g.lower(x, w)  # lowered with the stall knob
-        line("STALLED", lambda: "rank0_nan=%s" % bool(np.isnan(np.asarray(
-            jax.block_until_ready(g(x, w)), np.float32)[:512]).all()))
+        g.lower(x, w)  # lowered with the knob
+        def faulty():
+            t0 = time.time()
+            y = np.asarray(jax.block_until_ready(g(x, w)), np.float32)
+            return "rank0_nan=%s rank1_nan=%s seconds=%.1f" % (
+                bool(np.isnan(y[:512]).all()), bool(np.isnan(y[512:]).all()), time.time() - t0)
+        line("STALLED", faulty)
     if report == "check":
         line("CHECK", jaxoverlap.check_errors)
         for _ in range(4):  # both ranks may have timed out (reduce-push): one report each
@@ -231,10 +239,10 @@ _STALL_SCRIPT = textwrap.dedent(
 )
 
 
-def _stall(kernel, report):
+def _stall(kernel, report, fault="stall"):
     t0 = time.time()
     p = subprocess.run(
-        [sys.executable, "-c", _STALL_SCRIPT, kernel, report],
+        [sys.executable, "-c", _STALL_SCRIPT, kernel, report, fault],
         capture_output=True,
         text=True,
         timeout=180,
@@ -256,7 +264,7 @@ def test_stalled_peer_is_reported_and_the_process_survives(gpus, kernel):
     # the kernels exit (no trap); check_errors() raises naming the ranks, once; afterwards XLA's
     # own ops and the same fused op work on both GPUs of the same process.
     out, lines = _stall(kernel, "check")
-    assert lines.get("STALLED", "").startswith("STALLED OK rank0_nan=True"), out[-3000:]
+    assert "STALLED OK rank0_nan=True" in lines.get("STALLED", ""), out[-3000:]
     check = lines.get("CHECK", "")
     assert "RAISED FusedCallError" in check and "timed out" in check, out[-3000:]
     # gemm_rs: only rank 0 waits on the stalled rank 1. Reduce-push: each rank waits on the
@@ -272,9 +280,26 @@ def test_stalled_peer_is_raised_by_the_next_fused_call(gpus):
     # Without check_errors(): the next fused call raises the failure on every rank alike, and
     # the call after it runs normally.
     out, lines = _stall("gemm_rs", "next")
-    assert lines.get("STALLED", "").startswith("STALLED OK rank0_nan=True"), out[-3000:]
+    assert "STALLED OK rank0_nan=True" in lines.get("STALLED", ""), out[-3000:]
     assert lines.get("XLA", "") == "XLA OK finite=True", out[-3000:]
     first = lines.get("FUSED1", "")
     assert "RAISED" in first and "earlier fused call failed" in first, out[-3000:]
     assert "peer rank 1" in first, out[-3000:]
     assert _err(lines["FUSED2"]) < 2e-2, out[-3000:]
+
+
+@pytest.mark.parametrize("kernel", ["gemm_rs", "rs"])
+def test_host_failure_on_one_rank_gives_the_call_up_everywhere(gpus, kernel):
+    # Rank 1's handler fails after counting the call (test-only knob) while rank 0 launches:
+    # rank 0's waits give up through the abort word within seconds (the timeout is 60 s), both
+    # outputs are NaN, check_errors() names rank 1, and the process goes on working.
+    out, lines = _stall(kernel, "check", fault="fail")
+    stalled = lines.get("STALLED", "")
+    assert "rank0_nan=True rank1_nan=True" in stalled, out[-3000:]
+    assert float(stalled.split("seconds=")[1]) < 30, out[-3000:]
+    check = lines.get("CHECK", "")
+    assert "RAISED FusedCallError" in check and "test-only failure injected" in check, out[-3000:]
+    assert "rank 1;" in check, out[-3000:]
+    assert lines.get("CHECK_AGAIN", "").startswith("CHECK_AGAIN OK"), out[-3000:]
+    assert lines.get("XLA", "") == "XLA OK finite=True", out[-3000:]
+    assert _err(lines["FUSED1"]) < 2e-2 and _err(lines["FUSED2"]) < 2e-2, out[-3000:]
