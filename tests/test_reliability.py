@@ -1,5 +1,6 @@
-"""Reliability decisions checked without GPUs: the timeout policy, and where the fused path
-refuses to run (compute capability, NVLink) at lowering."""
+"""Reliability decisions checked without GPUs: the timeout policy, where the fused path refuses
+to run (compute capability, NVLink) at lowering, and the workspace key every process derives
+alike."""
 
 from __future__ import annotations
 
