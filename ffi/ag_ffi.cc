@@ -43,7 +43,8 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                       int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile) {
   (void)comm_sms;  // the copy engine needs no SMs
-  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  uint64_t timeout_ns = 0;
+  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
@@ -76,75 +77,92 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t chunk_bytes = mc * K * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-  if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
   if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
     return internal(kWhat, e);
-  ErrorRecord* err = error_record(device);
-  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
-  const Peers& peers = ws->peers[rank];
-  Flags* local = peers.flags[rank];
-  const char* xp = static_cast<const char*>(x.untyped_data());
-  const void* wp = w.untyped_data();
-  char* op = static_cast<char*>(out->untyped_data());
-  const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0};  // the whole device
-  const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
-  auto gemm = [&](const char* a, int64_t row) -> std::string {
-    return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
-  };
+  // From here on this call counts on every rank: a failure below gives it up on all of them.
+  uint32_t index = 0;
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure()) return e;
+  // The join's view of the streams: GEMMs run on XLA's stream, the pushes on `copy`.
+  Partition streams;
+  streams.gemm = xla_stream;
+  const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
+  ffi::Error result = [&]() -> ffi::Error {
+    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
+    if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
+    streams.comm = dev->copy;
+    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
+      return internal(kWhat, "test-only failure injected on this rank after begin_call");
+    ErrorRecord* err = error_record(device);
+    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+    const Peers& peers = ws->peers[rank];
+    const char* xp = static_cast<const char*>(x.untyped_data());
+    const void* wp = w.untyped_data();
+    char* op = static_cast<char*>(out->untyped_data());
+    if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
+        GemmRunner::alignment(op) < 2)
+      return invalid(kWhat, "an operand is not aligned to its 2-byte element");
+    const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0};  // the whole device
+    auto gemm = [&](const char* a, int64_t row) -> std::string {
+      return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
+    };
 
-  // First call of this workspace on this device: drain the device (nothing of ours may spin
-  // while a kernel loads: lazy loading can wait for every kernel in flight, and a spinning wait
-  // only ends when a peer runs), then compute the own block, which loads cuBLASLt's kernel for
-  // this shape, and wait for it. Only then may this call's waits be enqueued.
-  bool own_done = false;
-  if (!ws->warmed[rank]) {
-    if (cudaError_t e = cudaDeviceSynchronize())
-      return internal(kWhat, std::string("draining the device failed: ") + cudaGetErrorString(e));
-    for (int k = 0; k < chunks; ++k)
+    // First call of this workspace on this device: drain the device (nothing of ours may spin
+    // while a kernel loads: lazy loading can wait for every kernel in flight, and a spinning
+    // wait only ends when a peer runs), then compute the own block, which loads cuBLASLt's
+    // kernel for this shape, and wait for it. Only then may this call's waits be enqueued. The
+    // lock held here is this device's only: the peer's handler thread goes on meanwhile.
+    bool own_done = false;
+    if (!ws->warmed[rank]) {
+      CK(cudaDeviceSynchronize());
+      for (int k = 0; k < chunks; ++k)
+        if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
+          return internal(kWhat, e);
+      CK(cudaStreamSynchronize(xla_stream));
+      ws->warmed[rank] = true;
+      own_done = true;
+    }
+
+    // profile == 1 (tools only): the GEMM schedule alone, no communication -- the foreign rows
+    // are computed from whatever the staging slots hold (garbage).
+    const bool communicate = profile != 1;
+    // The copy stream waits for XLA's stream and for the previous call of this workspace; so
+    // does XLA's stream (a no-op when that call ran on it). Then, in host order, every push and
+    // signal a peer needs from this call is enqueued before any wait of this call.
+    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, &streams, /*gemm=*/false,
+                                    ws->done[rank]);
+        e.failure())
+      return e;
+    CK(cudaStreamWaitEvent(xla_stream, ws->done[rank]));
+    for (int t = 1; communicate && t < n; ++t) {
+      const int j = (rank + t) % (int)n;
+      CK(launch_ag_wait_slot_free(peers, j, timeout_ns, err, dev->copy));
+      char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
+      for (int k = 0; k < chunks; ++k) {
+        CK(cudaMemcpyAsync(dst + k * chunk_bytes, xp + k * chunk_bytes, chunk_bytes,
+                           cudaMemcpyDefault, dev->copy));
+        CK(launch_ag_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
+      }
+    }
+    for (int k = 0; !own_done && k < chunks; ++k)
       if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
         return internal(kWhat, e);
-    if (cudaError_t e = cudaStreamSynchronize(xla_stream))
-      return internal(kWhat, std::string("warm-up GEMM failed: ") + cudaGetErrorString(e));
-    ws->warmed[rank] = true;
-    own_done = true;
-  }
-
-  // profile == 1 (tools only): the GEMM schedule alone, no communication -- the foreign rows are
-  // computed from whatever the staging slots hold (garbage).
-  const bool communicate = profile != 1;
-  // Copy stream first, in host order: every push and signal a peer needs from this call is
-  // enqueued before any wait of this call.
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  CK(cudaStreamWaitEvent(dev->copy, dev->fork));
-  for (int t = 1; communicate && t < n; ++t) {
-    const int j = (rank + t) % (int)n;
-    CK(launch_ag_wait_slot_free(peers, j, timeout_ns, err, dev->copy));
-    char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
-    for (int k = 0; k < chunks; ++k) {
-      CK(cudaMemcpyAsync(dst + k * chunk_bytes, xp + k * chunk_bytes, chunk_bytes,
-                         cudaMemcpyDefault, dev->copy));
-      CK(launch_ag_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
+    // Rank s pushes to s + 1 first, so this rank's blocks arrive from r - 1, r - 2, ...
+    for (int t = 1; t < n; ++t) {
+      const int s = (rank - t + (int)n) % (int)n;
+      const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
+      for (int k = 0; k < chunks; ++k) {
+        if (communicate) CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, xla_stream));
+        if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
+          return internal(kWhat, e);
+      }
     }
-  }
-  for (int k = 0; !own_done && k < chunks; ++k)
-    if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
-      return internal(kWhat, e);
-  // Rank s pushes to s + 1 first, so this rank's blocks arrive from r - 1, r - 2, ...
-  for (int t = 1; t < n; ++t) {
-    const int s = (rank - t + (int)n) % (int)n;
-    const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
-    for (int k = 0; k < chunks; ++k) {
-      if (communicate)
-        CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, xla_stream));
-      if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
-        return internal(kWhat, e);
-    }
-  }
-  if (communicate) CK(launch_release_slots(peers, xla_stream));
-  Partition streams;  // the join's view: GEMMs ran on XLA's stream, the pushes on `copy`
-  streams.comm = dev->copy;
-  return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, local);
+    if (communicate) CK(launch_release_slots(peers, xla_stream));
+    return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
+  }();
+  if (result.failure())
+    return fail_call(kWhat, xla_stream, dev, streams.comm ? &streams : nullptr, ws, rank, index,
+                     output, result);
+  return result;
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 // cuBLASLt GEMM driver: row-major D[m, n] = A[m, k] . B[k, n] (+ C[m, n]), f32 accumulation,
-// targeted at the SM count of the partition it runs on. One per device; plans cached by shape.
+// targeted at the SM count of the partition it runs on. One per device; plans cached by shape and
+// operand alignment. Not thread-safe: callers hold their device's DeviceRuntime::launch_mu.
+// cuBLASLt's workspace is one per stream: two GEMMs share one only if they are stream-ordered,
+// so no two GEMMs (a warm-up included) ever use the same workspace at once.
 #pragma once
 
 #include <cublasLt.h>
@@ -22,12 +25,21 @@ struct GemmShape {
   auto key() const { return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count); }
 };
 
+// Alignment in bytes (a power of two, at most 256) of each operand pointer: cuBLASLt's heuristic
+// assumes 256 unless told, and XLA guarantees only 16 for entry parameters.
+struct GemmAlign {
+  int a, b, c, d;
+  auto key() const { return std::make_tuple(a, b, c, d); }
+};
+
 class GemmRunner {
  public:
   std::string init();  // on the current device
-  // Returns "" on success, else a sentence saying what failed.
+  // On the current device. Returns "" on success, else a sentence saying what failed. Any
+  // pointer alignment of 2 bytes or more runs: the plan is chosen for the pointers' alignment.
   std::string run(const GemmShape& s, const void* a, const void* b, const void* c, void* d,
                   cudaStream_t stream);
+  static int alignment(const void* p);
 
  private:
   struct Plan {
@@ -35,11 +47,12 @@ class GemmRunner {
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
   };
-  std::string plan(const GemmShape& s, Plan** out);
+  std::string plan(const GemmShape& s, const GemmAlign& al, Plan** out);
+  std::string stream_workspace(cudaStream_t stream, void** out);
   cublasLtHandle_t handle_ = nullptr;
-  void* workspace_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;
-  std::map<decltype(GemmShape{}.key()), Plan> plans_;
+  std::map<cudaStream_t, void*> workspaces_;  // per stream, allocated on first use
+  std::map<std::tuple<decltype(GemmShape{}.key()), decltype(GemmAlign{}.key())>, Plan> plans_;
 };
 
 }  // namespace jaxoverlap

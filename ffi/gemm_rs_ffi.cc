@@ -24,7 +24,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                       int64_t chunks, double timeout_s, int64_t stall_rank,
                       int64_t profile) {
-  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  uint64_t timeout_ns = 0;
+  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
@@ -53,90 +54,111 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   DeviceGuard guard;
   cudaSetDevice(device);
   DeviceRuntime* dev;
-  Partition* part;
+  Partition* part = nullptr;
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
-  if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
   if (std::string e = workspace(site, group, block_bytes, true, &ws); !e.empty())
     return internal(kWhat, e);
-  ErrorRecord* err = error_record(device);
-  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
-  const Peers& peers = ws->peers[rank];
-  Flags* local = peers.flags[rank];
-  const char* xp = static_cast<const char*>(x.untyped_data());
-  const void* wp = w.untyped_data();
-  char* op = static_cast<char*>(out->untyped_data());
-  char* partials = ws->part[rank];
-  const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms};
-  const GemmShape own{mc, N, K, dtype, true, part->gemm_sms};
-  const int senders = n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
-                             : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
-  const int receivers = n == 2 ? 0 : (int)std::min<int64_t>(comm_sms - senders, kMaxSenders);
-  const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
+  // From here on this call counts on every rank: a failure below gives it up on all of them.
+  uint32_t index = 0;
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure())
+    return e;
+  ffi::Error result = [&]() -> ffi::Error {
+    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
+    if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
+    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
+      return internal(kWhat, "test-only failure injected on this rank after begin_call");
+    ErrorRecord* err = error_record(device);
+    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+    const Peers& peers = ws->peers[rank];
+    Flags* local = peers.flags[rank];
+    const char* xp = static_cast<const char*>(x.untyped_data());
+    const void* wp = w.untyped_data();
+    char* op = static_cast<char*>(out->untyped_data());
+    char* partials = ws->part[rank];
+    const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms};
+    const GemmShape own{mc, N, K, dtype, true, part->gemm_sms};
+    const int senders =
+        n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
+               : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
+    const int receivers = n == 2 ? 0 : (int)std::min<int64_t>(comm_sms - senders, kMaxSenders);
 
-  if (!ws->warmed[rank]) {
-    // Load cuBLASLt's kernels (and pick the plans) before any spinning kernel is in flight.
-    for (const GemmShape* s : {&foreign, &own})
-      if (std::string e = dev->gemm.run(*s, xp, wp, partials, partials, part->gemm); !e.empty())
-        return internal(kWhat, e);
-    if (cudaError_t e = cudaStreamSynchronize(part->gemm))
-      return internal(kWhat, std::string("warm-up GEMM failed: ") + cudaGetErrorString(e));
-    ws->warmed[rank] = true;
-  }
+    // Operand alignment: XLA guarantees 16 bytes for entry parameters, cuBLASLt's fast kernels
+    // want 256. Each rank handles its own pointers (the GEMM plans are chosen for the alignment
+    // found, gemm.cc), so a misaligned buffer on one rank never makes it bail out alone while its
+    // peers launched. Chunk offsets are multiples of 256 bytes (checked above).
+    if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
+        GemmRunner::alignment(op) < 2)
+      return invalid(kWhat, "an operand is not aligned to its 2-byte element");
 
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  CK(cudaStreamWaitEvent(part->gemm, dev->fork));
-  CK(cudaStreamWaitEvent(part->comm, dev->fork));
-  // Producer first: every GEMM launch precedes the spinning comm kernel in host order.
-  for (int t = 0; t < n - 1; ++t) {
-    const int j = (rank + 1 + t) % (int)n;
-    for (int k = 0; k < chunks; ++k) {
-      const char* a = xp + (j * m + k * mc) * K * elt;
-      char* d = partials + t * block_bytes + k * mc * N * elt;
-      if (std::string e = dev->gemm.run(foreign, a, wp, nullptr, d, part->gemm); !e.empty())
-        return internal(kWhat, e);
-      CK(launch_signal_ready(local, t * (int)chunks + k, part->gemm));
+    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/true, ws->done[rank]);
+        e.failure())
+      return e;
+    if (!ws->warmed[rank]) {
+      // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
+      // launched. On the GEMM stream after the fork, with that stream's cuBLASLt workspace:
+      // ordered with every other GEMM of the stream; nothing else writes `partials` then.
+      for (const GemmShape* s : {&foreign, &own})
+        if (std::string e = dev->gemm.run(*s, xp, wp, partials, partials, part->gemm); !e.empty())
+          return internal(kWhat, e);
+      ws->warmed[rank] = true;
     }
-  }
-  CommArgs c{};
-  c.peers = peers;
-  c.src = partials;
-  c.own = nullptr;
-  c.out = ws->acc[rank];
-  c.block_bytes = block_bytes;
-  c.chunks = (int)chunks;
-  c.senders = senders;
-  c.receivers = receivers;
-  c.src_by_step = 1;
-  c.wait_ready = 1;
-  c.signal_reduced = n > 2;
-  c.stall_rank = (int)stall_rank;
-  c.op = kOpGemmRs;
-  c.timeout_ns = timeout_ns;
-  c.err = err;
-  c.dtype = dtype;
-  // profile == 1 (tools only): the GEMM schedule alone, no communication -- what the GEMM costs on
-  // its partition with this chunking; the result is garbage.
-  const bool communicate = profile != 1;
-  if (communicate) CK(launch_comm(c, part->comm));
-  const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
-  for (int k = 0; k < chunks; ++k) {
-    if (communicate)
-      CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
-                           err, part->gemm));
-    const char* cin = n == 2 ? peers.stage[rank] +
-                                   stage_slot(peer, rank, (int)n) * block_bytes + k * mc * N * elt
-                             : ws->acc[rank] + k * mc * N * elt;
-    const char* a = xp + (rank * m + k * mc) * K * elt;
-    if (std::string e = dev->gemm.run(own, a, wp, cin, op + k * mc * N * elt, part->gemm);
-        !e.empty())
-      return internal(kWhat, e);
-  }
-  if (communicate) CK(launch_release_slots(peers, part->gemm));
-  return join(kWhat, xla_stream, dev, part, /*gemm=*/true, local);
+
+    // Producer first: every GEMM launch precedes the spinning comm kernel in host order.
+    for (int t = 0; t < n - 1; ++t) {
+      const int j = (rank + 1 + t) % (int)n;
+      for (int k = 0; k < chunks; ++k) {
+        const char* a = xp + (j * m + k * mc) * K * elt;
+        char* d = partials + t * block_bytes + k * mc * N * elt;
+        if (std::string e = dev->gemm.run(foreign, a, wp, nullptr, d, part->gemm); !e.empty())
+          return internal(kWhat, e);
+        CK(launch_signal_ready(local, t * (int)chunks + k, part->gemm));
+      }
+    }
+    CommArgs c{};
+    c.peers = peers;
+    c.src = partials;
+    c.own = nullptr;
+    c.out = ws->acc[rank];
+    c.block_bytes = block_bytes;
+    c.chunks = (int)chunks;
+    c.senders = senders;
+    c.receivers = receivers;
+    c.src_by_step = 1;
+    c.wait_ready = 1;
+    c.signal_reduced = n > 2;
+    c.stall_rank = (int)stall_rank;
+    c.op = kOpGemmRs;
+    c.timeout_ns = timeout_ns;
+    c.err = err;
+    c.dtype = dtype;
+    // profile == 1 (tools only): the GEMM schedule alone, no communication -- what the GEMM costs
+    // on its partition with this chunking; the result is garbage.
+    const bool communicate = profile != 1;
+    if (communicate) CK(launch_comm(c, part->comm));
+    const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
+    for (int k = 0; k < chunks; ++k) {
+      if (communicate)
+        CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
+                             err, part->gemm));
+      const char* cin = n == 2 ? peers.stage[rank] +
+                                     stage_slot(peer, rank, (int)n) * block_bytes + k * mc * N * elt
+                               : ws->acc[rank] + k * mc * N * elt;
+      const char* a = xp + (rank * m + k * mc) * K * elt;
+      if (std::string e = dev->gemm.run(own, a, wp, cin, op + k * mc * N * elt, part->gemm);
+          !e.empty())
+        return internal(kWhat, e);
+    }
+    if (communicate) CK(launch_release_slots(peers, part->gemm));
+    return join(kWhat, xla_stream, dev, part, /*gemm=*/true, ws, rank,
+                {op, (int64_t)out->size_bytes(), dtype});
+  }();
+  if (result.failure())
+    return fail_call(kWhat, xla_stream, dev, part, ws, rank, index,
+                     {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, result);
+  return result;
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
-// What the two FFI handlers share: the static group table sent by the lowering, dtype mapping,
-// turning runtime sentences and CUDA errors into ffi::Error, the join back onto XLA's stream and
-// the attributes both bind. Host code only.
+// What the FFI handlers share: the static group table sent by the lowering (validated whole),
+// the timeout, dtype mapping, turning runtime sentences and CUDA errors into ffi::Error, the fork
+// onto the green-context streams and the join back onto XLA's stream, and the attributes every
+// handler binds. Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -36,7 +38,10 @@ inline ffi::Error invalid(const std::string& what, const std::string& msg) {
   }
 
 // The lowering sends, for every device of the program, its CUDA ordinal, its rank along the
-// reduced axes and its group's ordinals in rank order (rows of `groups`, `n` columns).
+// reduced axes and its group's ordinals in rank order (rows of `groups`, `n` columns). Every
+// rank validates the whole table, not only its own row: the table is the same attribute on every
+// rank, so a malformed one is rejected by all of them before any launch (a rank that bailed out
+// alone would leave its peers spinning until the timeout).
 inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
                               ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
                               int64_t n, int* rank, std::vector<int>* group) {
@@ -44,14 +49,47 @@ inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
     return "group size " + std::to_string(n) + " is outside 2.." + std::to_string(kMaxRanks);
   if (ranks.size() != ordinals.size() || groups.size() != ordinals.size() * (size_t)n)
     return "malformed group table";
+  int found = -1;
   for (size_t i = 0; i < ordinals.size(); ++i) {
-    if (ordinals[i] != device) continue;
-    *rank = ranks[i];
-    group->assign(groups.begin() + i * n, groups.begin() + (i + 1) * n);
-    if ((*group)[*rank] != device) return "group table does not list this device at its rank";
-    return "";
+    const int32_t r = ranks[i];
+    if (r < 0 || r >= n)
+      return "group table gives device " + std::to_string(ordinals[i]) + " rank " +
+             std::to_string(r) + ", outside 0.." + std::to_string(n - 1);
+    const int32_t* row = groups.begin() + i * n;
+    if (row[r] != ordinals[i])
+      return "group table does not list device " + std::to_string(ordinals[i]) + " at its rank";
+    for (int64_t a = 0; a < n; ++a) {
+      if (row[a] < 0) return "group table holds a negative device ordinal";
+      for (int64_t b = 0; b < a; ++b)
+        if (row[a] == row[b]) return "group table lists a device twice in one group";
+      // Every member must be in the table with this very group, at its position.
+      size_t j = 0;
+      while (j < ordinals.size() && ordinals[j] != row[a]) ++j;
+      if (j == ordinals.size() || ranks[j] != a ||
+          !std::equal(row, row + n, groups.begin() + j * n))
+        return "group table is inconsistent: device " + std::to_string(row[a]) +
+               " does not list the same group at rank " + std::to_string(a);
+    }
+    if (ordinals[i] == device) {
+      if (found >= 0) return "group table lists device " + std::to_string(device) + " twice";
+      found = (int)i;
+    }
   }
-  return "device ordinal " + std::to_string(device) + " is not in the group table";
+  if (found < 0) return "device ordinal " + std::to_string(device) + " is not in the group table";
+  *rank = ranks[found];
+  group->assign(groups.begin() + found * n, groups.begin() + (found + 1) * n);
+  return "";
+}
+
+// The bound on every cross-GPU wait, in ns: finite, positive and at most a day (the Python side
+// rejects anything else first; a hand-built call could still send NaN, which would convert to an
+// undefined integer).
+inline std::string to_timeout_ns(double timeout_s, uint64_t* ns) {
+  if (!(timeout_s > 0.0 && timeout_s <= 86400.0))  // false for NaN
+    return "timeout_s=" + std::to_string(timeout_s) + " must be a finite number of seconds in "
+           "(0, 86400]";
+  *ns = (uint64_t)(timeout_s * 1e9);
+  return "";
 }
 
 inline bool to_dtype(ffi::DataType t, DType* out) {
@@ -71,16 +109,94 @@ inline std::string preload(DeviceRuntime* dev) {
   return "";
 }
 
+// The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
+// wait for XLA's stream and for the previous call of the same workspace on this device
+// (`ws_done`, recorded by `join`): calls of one workspace never overlap on a device, even when
+// they come from different XLA streams. `kWhat` names the op in errors.
+inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                               const Partition* part, bool gemm, cudaEvent_t ws_done) {
+  CK(cudaEventRecord(dev->fork, xla_stream));
+  for (cudaStream_t s : {part->gemm, part->comm}) {
+    if (s == part->gemm && !gemm) continue;
+    CK(cudaStreamWaitEvent(s, dev->fork));
+    CK(cudaStreamWaitEvent(s, ws_done));
+  }
+  return ffi::Error::Success();
+}
+
+// The output a call poisons with NaN when one of its waits gave up.
+struct Output {
+  void* data;
+  int64_t bytes;
+  DType dtype;
+};
+
 // The handlers' join: records the done events on the green-context streams they launched on (the
-// GEMM stream only if `gemm`), makes XLA's stream wait for them, then runs the finish kernel on
-// XLA's stream. `kWhat` names the op in errors.
+// GEMM stream only if `gemm`), makes XLA's stream wait for them, runs the finish kernel on XLA's
+// stream (NaN into `out` if a wait of this rank gave up; epoch + 1) and records the workspace's
+// done event after it.
 inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                       const Partition* part, bool gemm, Flags* local) {
+                       const Partition* part, bool gemm, Workspace* ws, int rank, Output out) {
   if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
   CK(cudaEventRecord(dev->comm_done, part->comm));
   if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
   CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
-  CK(launch_finish(local, xla_stream));
+  CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
+                          xla_stream));
+  CK(cudaEventRecord(ws->done[rank], xla_stream));
+  return ffi::Error::Success();
+}
+
+// Ends a call that launches nothing more on this rank but must still count as one call of `ws`
+// (epochs stay equal on every rank): after whatever it launched, release the staging slots this
+// rank would have consumed and advance the epoch (filling `poison` with NaN first, if given), on
+// XLA's stream. Best effort: errors of these CUDA calls are ignored.
+inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partition* part,
+                       Workspace* ws, int rank, const Output* poison = nullptr) {
+  if (part) {
+    cudaEventRecord(dev->gemm_done, part->gemm);
+    cudaEventRecord(dev->comm_done, part->comm);
+    cudaStreamWaitEvent(xla_stream, dev->gemm_done);
+    cudaStreamWaitEvent(xla_stream, dev->comm_done);
+  }
+  cudaStreamWaitEvent(xla_stream, ws->done[rank]);
+  launch_release_slots(ws->peers[rank], xla_stream);
+  Flags* local = ws->peers[rank].flags[rank];
+  if (poison)
+    launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true);
+  else
+    launch_finish(local, xla_stream);
+  cudaEventRecord(ws->done[rank], xla_stream);
+  cudaGetLastError();
+}
+
+// Starts this rank's call of `ws` (runtime.h: begin_call). If the call is the one chosen to
+// report an earlier failure, every rank refuses it alike: it launches nothing but close_call and
+// returns that report as its error.
+inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                             Workspace* ws, int rank, uint32_t* index) {
+  std::string refused;
+  *index = begin_call(ws, rank, &refused);
+  if (refused.empty()) return ffi::Error::Success();
+  close_call(xla_stream, dev, nullptr, ws, rank);
+  return ffi::Error(ffi::ErrorCode::kAborted,
+                    std::string(kWhat) + ": an earlier fused call failed: " + refused);
+}
+
+// A call that failed on this rank after begin_call (its peers may have launched): raise the
+// call's abort word so every rank's waits of this call give up instead of spinning until the
+// timeout, close the call with a NaN output, and report `err` the way a kernel's timeout is
+// reported (check_errors(), or the next fused call on every rank). It returns success to XLA on
+// purpose: an error would stop this rank's program here while its peers' programs go on to
+// their next fused calls, and the ranks' calls would pair up wrongly from then on.
+inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
+                            const Partition* part, Workspace* ws, int rank, uint32_t index,
+                            const Output& out, const ffi::Error& err) {
+  *(volatile uint32_t*)ws->abort = index;
+  close_call(xla_stream, dev, part, ws, rank, &out);
+  report_failure(err.message() + " (on device " + std::to_string(ws->ordinals[rank]) +
+                 ", rank " + std::to_string(rank) + "; the call was given up on every rank of "
+                 "its group and this rank's output filled with NaN)");
   return ffi::Error::Success();
 }
 

@@ -5,7 +5,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -17,6 +24,74 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 namespace nb = nanobind;
 
 namespace {
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Test-only: D = A.B (bf16, 256^3) through the handlers' GEMM runner with every operand pointer
+// `offset` bytes past a 256-byte boundary (XLA guarantees only 16 for entry parameters). Returns
+// the max error relative to max |reference| (a host f64 reference); raises on a runner error.
+double gemm_alignment_check(int ordinal, int offset) {
+  using namespace jaxoverlap;
+  constexpr int64_t n = 256;
+  DeviceGuard guard;
+  DeviceRuntime* dev = nullptr;
+  if (cudaSetDevice(ordinal)) throw std::runtime_error("cudaSetDevice failed");
+  if (std::string e = device_runtime(ordinal, &dev); !e.empty()) throw std::runtime_error(e);
+  std::vector<uint16_t> a(n * n), b(n * n), d(n * n);
+  for (int64_t i = 0; i < n * n; ++i) {
+    a[i] = to_bf16((float)((i * 37 % 101) - 50) / 50.0f);
+    b[i] = to_bf16((float)((i * 53 % 97) - 48) / 48.0f);
+  }
+  const size_t bytes = n * n * 2 + 512;
+  char *pa = nullptr, *pb = nullptr, *pd = nullptr;
+  // One stream per device for the life of the process: the runner keeps a cuBLASLt workspace
+  // per stream.
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
+  cudaStream_t s = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!streams.count(ordinal) && !cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking))
+      streams[ordinal] = s;
+    s = streams.count(ordinal) ? streams[ordinal] : nullptr;
+  }
+  std::string err;
+  if (!s || cudaMalloc(&pa, bytes) || cudaMalloc(&pb, bytes) || cudaMalloc(&pd, bytes))
+    err = "allocation failed";
+  if (err.empty()) {
+    cudaMemcpy(pa + offset, a.data(), n * n * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(pb + offset, b.data(), n * n * 2, cudaMemcpyHostToDevice);
+    std::lock_guard<std::mutex> hold(dev->launch_mu);
+    err = dev->gemm.run(GemmShape{n, n, n, DType::kBF16, false, 0}, pa + offset, pb + offset,
+                        nullptr, pd + offset, s);
+  }
+  if (err.empty()) {
+    if (cudaError_t e = cudaStreamSynchronize(s)) err = cudaGetErrorString(e);
+    else cudaMemcpy(d.data(), pd + offset, n * n * 2, cudaMemcpyDeviceToHost);
+  }
+  for (void* p : {(void*)pa, (void*)pb, (void*)pd})
+    if (p) cudaFree(p);
+  if (!err.empty()) throw std::runtime_error(err);
+  double max_err = 0, scale = 1e-30;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0;
+      for (int64_t k = 0; k < n; ++k) ref += (double)from_bf16(a[i * n + k]) * from_bf16(b[k * n + j]);
+      max_err = std::max(max_err, std::abs(ref - from_bf16(d[i * n + j])));
+      scale = std::max(scale, std::abs(ref));
+    }
+  return max_err / scale;
+}
 
 template <typename T>
 nb::capsule capsule(T* fn) {
@@ -44,7 +119,42 @@ NB_MODULE(_native, m) {
   m.doc() = "jaxoverlap native extension: XLA FFI handlers for the fused GPU ops";
   m.def("registrations", &registrations, "FFI target name -> {stage: handler capsule}");
   m.def("pending_error", &jaxoverlap::pending_error,
-        "The timeout a kernel of this process reported ('' if none).");
+        "The oldest unreported failure of a fused call in this process ('' if none).");
+  m.def("take_error", &jaxoverlap::take_error,
+        "pending_error(), and forget it (jaxoverlap.check_errors()).");
+  m.def("_gemm_alignment_check", &gemm_alignment_check,
+        "Test-only: relative error of the GEMM runner with operand pointers `offset` bytes off "
+        "256-byte alignment.");
+  m.def("memory_in_use", &jaxoverlap::memory_in_use,
+        "Device memory in use on a CUDA ordinal (total - free, cudaMemGetInfo), bytes; -1 on error.");
+  m.def(
+      "compute_capability",
+      [](int ordinal) {
+        int major = -1, minor = -1;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal))
+          return nb::make_tuple(-1, -1);
+        return nb::make_tuple(major, minor);
+      },
+      "(major, minor) compute capability of a CUDA ordinal; (-1, -1) on error.");
+  m.def(
+      "peer_link",
+      [](int a, int b) {
+        // Native atomics over the link are reported for NVLink(/NVSwitch/C2C)-connected peers
+        // only; PCIe peer access reports 0 (PCIe has no CUDA-native peer atomics).
+        int access = 0, atomics = 0, rank = -1;
+        cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported, a, b);
+        cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, a, b);
+        cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, a, b);
+        cudaGetLastError();
+        nb::dict d;
+        d["access"] = access != 0;
+        d["native_atomics"] = atomics != 0;
+        d["performance_rank"] = rank;
+        return d;
+      },
+      "Peer link a -> b: {'access', 'native_atomics', 'performance_rank'} "
+      "(cudaDeviceGetP2PAttribute).");
   m.def(
       "can_access_peer",
       [](int a, int b) {

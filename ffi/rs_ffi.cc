@@ -22,7 +22,8 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                   ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
                   int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
                   int64_t profile) {
-  if (std::string e = pending_error(); !e.empty()) return internal(kWhat, e);
+  uint64_t timeout_ns = 0;
+  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || out->element_type() != x.element_type())
     return invalid(kWhat, "x and the result must both be bfloat16 or both float16");
@@ -41,53 +42,72 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   DeviceGuard guard;
   cudaSetDevice(device);
   DeviceRuntime* dev;
-  Partition* part;
+  Partition* part = nullptr;
   Workspace* ws;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
-  if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
   if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
     return internal(kWhat, e);
-  ErrorRecord* err = error_record(device);
-  if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
-  const Peers& peers = ws->peers[rank];
-  const char* xp = static_cast<const char*>(x.untyped_data());
+  // From here on this call counts on every rank: a failure below gives it up on all of them.
+  uint32_t index = 0;
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure())
+    return e;
+  ffi::Error result = [&]() -> ffi::Error {
+    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
+    if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
+    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
+      return internal(kWhat, "test-only failure injected on this rank after begin_call");
+    ErrorRecord* err = error_record(device);
+    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+    const Peers& peers = ws->peers[rank];
+    const char* xp = static_cast<const char*>(x.untyped_data());
+    // TMA bulk copies need 16-byte aligned addresses; XLA guarantees 16 bytes for every buffer,
+    // so this never fires on one rank alone unless that guarantee is broken.
+    if (reinterpret_cast<uintptr_t>(xp) % 16 ||
+        reinterpret_cast<uintptr_t>(out->untyped_data()) % 16)
+      return invalid(kWhat, "x and the result must be 16-byte aligned for TMA");
 
-  CommArgs c{};
-  c.peers = peers;
-  c.src = xp;
-  c.own = xp + rank * block_bytes;
-  c.out = static_cast<char*>(out->untyped_data());
-  c.block_bytes = block_bytes;
-  c.chunks = (int)chunks;
-  c.senders = (int)std::min<int64_t>(comm_sms / 2, kMaxSenders);
-  // profile == 1 (tools only): pushes without the receive-side sum (result is garbage), to
-  // measure the NVLink push alone on comm_sms / 2 CTAs.
-  c.receivers = profile == 1 ? 0 : (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
-  // n == 2: reduce-push on every comm CTA (the adds happen at the destination, no receivers);
-  // profile == 2 (tools only) keeps the senders/receivers schedule for comparison. Both ranks
-  // must run the same CTA count (CTA b pairs with the peer's CTA b): the granted partition size
-  // is the same on identical devices.
-  if (n == 2 && profile == 0) {
-    c.reduce_push = 1;
-    c.senders = (int)std::min<int64_t>(std::min<int64_t>(comm_sms, part->comm_sms), kMaxSenders);
-    c.receivers = 0;
-  }
-  c.src_by_step = 0;
-  c.wait_ready = 0;
-  c.signal_reduced = 0;
-  c.stall_rank = (int)stall_rank;
-  c.op = kOpReduceScatter;
-  c.timeout_ns = (uint64_t)(timeout_s * 1e9);
-  c.err = err;
-  c.dtype = dtype;
+    CommArgs c{};
+    c.peers = peers;
+    c.src = xp;
+    c.own = xp + rank * block_bytes;
+    c.out = static_cast<char*>(out->untyped_data());
+    c.block_bytes = block_bytes;
+    c.chunks = (int)chunks;
+    c.senders = (int)std::min<int64_t>(comm_sms / 2, kMaxSenders);
+    // profile == 1 (tools only): pushes without the receive-side sum (result is garbage), to
+    // measure the NVLink push alone on comm_sms / 2 CTAs.
+    c.receivers = profile == 1 ? 0 : (int)std::min<int64_t>(comm_sms - comm_sms / 2, kMaxSenders);
+    // n == 2: reduce-push on every comm CTA (the adds happen at the destination, no receivers);
+    // profile == 2 (tools only) keeps the senders/receivers schedule for comparison. Both ranks
+    // must run the same CTA count (CTA b pairs with the peer's CTA b): the granted partition size
+    // is the same on identical devices.
+    if (n == 2 && profile == 0) {
+      c.reduce_push = 1;
+      c.senders = (int)std::min<int64_t>(std::min<int64_t>(comm_sms, part->comm_sms), kMaxSenders);
+      c.receivers = 0;
+    }
+    c.src_by_step = 0;
+    c.wait_ready = 0;
+    c.signal_reduced = 0;
+    c.stall_rank = (int)stall_rank;
+    c.op = kOpReduceScatter;
+    c.timeout_ns = timeout_ns;
+    c.err = err;
+    c.dtype = dtype;
 
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  CK(cudaStreamWaitEvent(part->comm, dev->fork));
-  CK(launch_comm(c, part->comm));
-  CK(launch_release_slots(peers, part->comm));
-  return join(kWhat, xla_stream, dev, part, /*gemm=*/false, peers.flags[rank]);
+    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/false, ws->done[rank]);
+        e.failure())
+      return e;
+    CK(launch_comm(c, part->comm));
+    CK(launch_release_slots(peers, part->comm));
+    return join(kWhat, xla_stream, dev, part, /*gemm=*/false, ws, rank,
+                {c.out, (int64_t)out->size_bytes(), dtype});
+  }();
+  if (result.failure())
+    return fail_call(kWhat, xla_stream, dev, part, ws, rank, index,
+                     {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, result);
+  return result;
 }
 
 }  // namespace

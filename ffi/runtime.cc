@@ -2,11 +2,15 @@
 
 #include <cuda.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernels/comm.h"
 
@@ -58,11 +62,29 @@ std::string cu_error(const char* what, CUresult r) {
   return std::string(what) + " failed with CUresult " + std::to_string((int)r);
 }
 
-std::mutex g_mu;  // guards the maps below (creation only; entries are never removed)
-std::map<int, std::unique_ptr<DeviceRuntime>> g_devices;
-std::map<std::tuple<int64_t, std::vector<int>>, std::unique_ptr<Workspace>> g_workspaces;
-ErrorRecord* g_errors = nullptr;  // [kMaxDevices], host-mapped
+// A lazily set-up object and the lock held while it is set up (first use) and looked at.
+template <typename T>
+struct Cell {
+  std::mutex mu;
+  std::unique_ptr<T> obj;
+};
+using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool>;  // site, group, bytes, part.
+std::mutex g_mu;  // guards the maps' structure only (look-up, insertion); no CUDA call under it
+std::map<int, std::unique_ptr<Cell<DeviceRuntime>>> g_devices;
+std::map<WsKey, std::unique_ptr<Cell<Workspace>>> g_workspaces;
 constexpr int kMaxDevices = 64;
+std::atomic<ErrorRecord*> g_errors{nullptr};  // [kMaxDevices], host-mapped
+std::once_flag g_errors_once;
+std::mutex g_pending_mu;                 // guards g_pending; taken alone or before a seq_mu
+std::vector<std::string> g_pending;      // failures noticed, not yet taken by check_errors()
+
+template <typename K, typename T>
+Cell<T>* cell(std::map<K, std::unique_ptr<Cell<T>>>& cells, const K& key) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& c = cells[key];
+  if (!c) c = std::make_unique<Cell<T>>();
+  return c.get();
+}
 
 const char* what_name(int what) {
   switch (what) {
@@ -87,8 +109,9 @@ const char* op_name(int op) {
 }  // namespace
 
 std::string device_runtime(int ordinal, DeviceRuntime** out) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& slot = g_devices[ordinal];
+  Cell<DeviceRuntime>* c = cell(g_devices, ordinal);
+  std::lock_guard<std::mutex> lock(c->mu);  // this device's set-up only
+  auto& slot = c->obj;
   if (!slot) {
     auto dev = std::make_unique<DeviceRuntime>();
     dev->ordinal = ordinal;
@@ -157,53 +180,150 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
 }
 
 ErrorRecord* error_record(int ordinal) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_errors) {
+  std::call_once(g_errors_once, [] {
     void* p = nullptr;
     if (cudaHostAlloc(&p, sizeof(ErrorRecord) * kMaxDevices,
                       cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-      return nullptr;
+      return;
     std::memset(p, 0, sizeof(ErrorRecord) * kMaxDevices);
-    g_errors = static_cast<ErrorRecord*>(p);
+    g_errors.store(static_cast<ErrorRecord*>(p));
+  });
+  ErrorRecord* errors = g_errors.load();
+  return errors && ordinal >= 0 && ordinal < kMaxDevices ? &errors[ordinal] : nullptr;
+}
+
+namespace {
+
+std::string describe(const volatile ErrorRecord& e) {
+  char buf[640];
+  std::snprintf(
+      buf, sizeof(buf),
+      "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
+      "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running the "
+      "same program. That call gave up on every rank of its group; the outputs of ranks whose "
+      "waits gave up were filled with NaN. Later fused calls run normally.",
+      op_name(e.op),
+      e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen, e.target);
+  return buf;
+}
+
+// Runs fn(ws) under ws->seq_mu for every workspace set up so far (no other lock held).
+template <typename F>
+void for_each_workspace(F fn) {
+  std::vector<Cell<Workspace>*> cells;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [key, c] : g_workspaces) cells.push_back(c.get());
   }
-  return ordinal >= 0 && ordinal < kMaxDevices ? &g_errors[ordinal] : nullptr;
+  for (Cell<Workspace>* c : cells) {
+    Workspace* ws;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      ws = c->obj.get();
+    }
+    if (!ws) continue;
+    std::lock_guard<std::mutex> lock(ws->seq_mu);
+    fn(ws);
+  }
+}
+
+// Every workspace refuses its call max(issued) + 1 with `found` (runtime.h: begin_call), unless
+// an earlier report is still pending there.
+void schedule_report(const std::string& found) {
+  for_each_workspace([&](Workspace* ws) {
+    uint32_t last = 0;
+    for (int r = 0; r < ws->n; ++r) last = std::max(last, ws->issued[r]);
+    bool pending = false;  // an earlier report not yet refused on every rank
+    for (int r = 0; r < ws->n; ++r)
+      pending |= ws->refuse_at && (int32_t)(ws->issued[r] - ws->refuse_at) < 0;
+    if (pending) return;
+    ws->refuse_at = last + 1;
+    ws->refuse_msg = found;
+  });
+}
+
+// Moves kernel-written records into g_pending and schedules their report on every workspace.
+void notice_errors() {
+  ErrorRecord* errors = g_errors.load();
+  if (!errors) return;
+  std::string found;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    for (int i = 0; i < kMaxDevices; ++i) {
+      volatile ErrorRecord& e = errors[i];
+      if (!e.set) continue;
+      g_pending.push_back(describe(e));
+      if (found.empty()) found = g_pending.back();
+      e.set = 0;
+    }
+  }
+  if (!found.empty()) schedule_report(found);
+}
+
+}  // namespace
+
+void report_failure(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    g_pending.push_back(what);
+  }
+  schedule_report(what);
 }
 
 std::string pending_error() {
-  if (!g_errors) return "";
-  for (int i = 0; i < kMaxDevices; ++i) {
-    const volatile ErrorRecord& e = g_errors[i];
-    if (!e.set) continue;
-    char buf[640];
-    std::snprintf(
-        buf, sizeof(buf),
-        "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
-        "(flag %u, wanted %u). The peer never signalled: it failed, stalled, or is not running "
-        "the same program. This device's CUDA context is unusable now; restart the process.",
-        op_name(e.op), e.device, e.rank, e.waited_s, what_name(e.what), e.peer, e.chunk, e.seen,
-        e.target);
-    return buf;
-  }
-  return "";
+  notice_errors();
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  return g_pending.empty() ? "" : g_pending.front();
 }
 
-std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
-                      bool with_partials, Workspace** out) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& slot = g_workspaces[{site, ordinals}];
-  if (slot) {
-    if (slot->block_bytes != block_bytes)
-      return "internal: workspace of call site " + std::to_string(site) + " reused with another "
-             "block size";
-    *out = slot.get();
-    return "";
+std::string take_error() {
+  notice_errors();
+  std::string e;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    if (g_pending.empty()) return "";
+    e = g_pending.front();
+    g_pending.erase(g_pending.begin());
+    if (!g_pending.empty()) return e;
   }
-  const int n = (int)ordinals.size();
-  auto ws = std::make_unique<Workspace>();
-  ws->n = n;
-  ws->ordinals = ordinals;
-  ws->block_bytes = block_bytes;
-  DeviceGuard guard;
+  // Reported here: cancel the refusals no rank has reached yet (under seq_mu, so a rank either
+  // refused already -- then the refusal stands for all -- or never will).
+  for_each_workspace([](Workspace* ws) {
+    bool reached = false;
+    for (int r = 0; r < ws->n; ++r)
+      reached |= (int32_t)(ws->issued[r] - ws->refuse_at) >= 0;
+    if (ws->refuse_at && !reached) ws->refuse_at = 0;
+  });
+  return e;
+}
+
+uint32_t begin_call(Workspace* ws, int rank, std::string* refused) {
+  notice_errors();
+  std::lock_guard<std::mutex> lock(ws->seq_mu);
+  const uint32_t index = ++ws->issued[rank];
+  refused->clear();
+  if (ws->refuse_at == index) *refused = ws->refuse_msg;
+  return index;
+}
+
+namespace {
+
+void free_workspace(Workspace* ws) {
+  for (int i = 0; i < ws->n; ++i) {
+    cudaSetDevice(ws->ordinals[i]);
+    for (void* p : {(void*)ws->peers[0].stage[i], (void*)ws->peers[0].flags[i], (void*)ws->part[i],
+                    (void*)ws->acc[i]})
+      if (p) cudaFree(p);
+    if (ws->done[i]) cudaEventDestroy(ws->done[i]);
+  }
+  if (ws->abort) cudaFreeHost(ws->abort);
+}
+
+// Enables peer access, allocates and clears every member's buffers; on failure frees them.
+std::string create_workspace(Workspace* ws, bool with_partials) {
+  const int n = ws->n;
+  const std::vector<int>& ordinals = ws->ordinals;
+  const int64_t block_bytes = ws->block_bytes;
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j) continue;
@@ -218,11 +338,19 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
       else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
     }
   }
-  Peers base{};
+  Peers& base = ws->peers[0];
   base.n = n;
+  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t),
+                                    cudaHostAllocMapped | cudaHostAllocPortable))
+    return cuda_error("cudaHostAlloc (abort word)", e);
+  *ws->abort = 0;
+  // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
+  base.abort = ws->abort;
   for (int i = 0; i < n; ++i) {
     cudaSetDevice(ordinals[i]);
     cudaError_t e;
+    if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
+      return cuda_error("cudaEventCreate (workspace)", e);
     if ((e = cudaMalloc(&base.stage[i], (n - 1) * block_bytes)))
       return cuda_error("cudaMalloc (staging)", e);
     if ((e = cudaMalloc(&base.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
@@ -230,6 +358,8 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
       return cuda_error("cudaMalloc (partials)", e);
     if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
       return cuda_error("cudaMalloc (peer sum)", e);
+    // A private stream: the synchronisation below waits for this memset only, never for work
+    // of other calls (which may be waiting on peers).
     cudaStream_t s;
     if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
       return cuda_error("cudaStreamCreate", e);
@@ -243,9 +373,38 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
     ws->peers[i].rank = i;
     ws->peers[i].device = ordinals[i];
   }
-  slot = std::move(ws);
-  *out = slot.get();
   return "";
+}
+
+}  // namespace
+
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
+                      bool with_partials, Workspace** out) {
+  // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
+  // so calls on other workspaces (and their hot paths) never wait for it.
+  Cell<Workspace>* c = cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials});
+  std::lock_guard<std::mutex> lock(c->mu);
+  if (!c->obj) {
+    auto ws = std::make_unique<Workspace>();
+    ws->n = (int)ordinals.size();
+    ws->ordinals = ordinals;
+    ws->block_bytes = block_bytes;
+    DeviceGuard guard;
+    if (std::string err = create_workspace(ws.get(), with_partials); !err.empty()) {
+      free_workspace(ws.get());
+      return err;
+    }
+    c->obj = std::move(ws);
+  }
+  *out = c->obj.get();
+  return "";
+}
+
+int64_t memory_in_use(int ordinal) {
+  DeviceGuard guard;
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(ordinal) || cudaMemGetInfo(&free_b, &total_b)) return -1;
+  return (int64_t)(total_b - free_b);
 }
 
 }  // namespace jaxoverlap

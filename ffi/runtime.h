@@ -1,7 +1,9 @@
 // Per-device resources created once and shared by every call: green-context SM partitions and
 // their streams, fork/join events, the cuBLASLt runner, the host-mapped error records, and the
-// symmetric workspaces of each (call site, group). All entry points are thread-safe: XLA calls
-// the handlers from one thread per device, concurrently.
+// symmetric workspaces of each (call kind, group). All entry points are thread-safe: XLA calls
+// the handlers from one thread per device, concurrently. First-use setup (allocation, peer
+// access, memsets) runs under a lock of the object being set up, never under the process-wide
+// lock that every call's look-up takes.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,11 +51,28 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out);
 
 // Host-mapped error record of a device (usable from kernels through UVA).
 ErrorRecord* error_record(int ordinal);
-// "" if no kernel of this process has reported a timeout, else the sentence describing it.
+// "" if no failure of a fused call in this process is waiting to be reported, else the sentence
+// describing the oldest one (op, device, rank, peer, chunk). Does not clear it.
 std::string pending_error();
+// pending_error(), cleared (jaxoverlap.check_errors()).
+std::string take_error();
+// Queues a failure found by a host (not a kernel) for pending_error() and schedules its report
+// on every workspace, like a kernel's timeout record.
+void report_failure(const std::string& what);
 
-// Memory that every rank of a group can read and write: allocated once per (call site, group)
-// on all member devices by the first member to arrive.
+// Memory that every rank of a group can read and write: allocated once per (site, group, size)
+// on all member devices by the first member to arrive, and reused by every later call with the
+// same key. `site` is not a call-site counter: the lowering derives it from what every rank and
+// every process knows identically (op, shapes, dtype, settings; jaxoverlap/fused.py,
+// `_table_attrs`), so fresh jit wrappers and unrolled layers of one op share one workspace, and
+// memory grows with the number of distinct ops, not of compiled call sites.
+//
+// Ordering of the calls that share a workspace: on each device, every call waits for the
+// previous call's `done[rank]` (recorded on XLA's stream after its finish kernel) before it
+// forks, so calls from different XLA streams never overlap on one workspace and the epochs
+// (Flags::epoch) advance by one per call. Across ranks, calls of one workspace must be issued in
+// the same order (they are within one SPMD program; two programs that share a workspace must
+// not run concurrently from two threads -- different ops or shapes never share one).
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank
@@ -61,11 +80,29 @@ struct Workspace {
   Peers peers[kMaxRanks];         // the table each rank's kernels get (rank field differs)
   char* part[kMaxRanks] = {};     // GEMM partials of the n - 1 foreign blocks, per rank
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
-  bool warmed[kMaxRanks] = {};    // touched only by the thread of that rank's device
+  bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
+  cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
+  uint32_t* abort = nullptr;      // host-mapped abort word (Peers::abort)
+  // Calls issued per rank (under seq_mu). Every counted call runs the finish kernel exactly once,
+  // so issued[r] + 1 is the epoch target of rank r's next call, the same on every rank.
+  std::mutex seq_mu;
+  uint32_t issued[kMaxRanks] = {};
+  uint32_t refuse_at = 0;         // a failure is reported by call number `refuse_at` on each rank
+  std::string refuse_msg;
 };
+
+// Starts rank `rank`'s next call of `ws`: returns its number (= its epoch target) and sets
+// `refused` to the report of an earlier failure if this call is the one chosen to raise it.
+// A reported failure is scheduled for call max(issued) + 1 on every workspace, chosen under
+// seq_mu: no rank has issued it yet, so every rank refuses the same call (asynchronous dispatch
+// runs hosts ahead of their GPUs; refusing "the next call" per rank would not be symmetric).
+uint32_t begin_call(Workspace* ws, int rank, std::string* refused);
 
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
                       bool with_partials, Workspace** out);
+
+// Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
+int64_t memory_in_use(int ordinal);
 
 // Keeps the current device of the calling thread across a scope that switches devices.
 class DeviceGuard {

@@ -10,12 +10,15 @@ from jaxoverlap.config import Config
 from jaxoverlap.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from jaxoverlap.overlap import explain, overlap
 from jaxoverlap.partitioning import matmul
+from jaxoverlap.runtime import FusedCallError, check_errors
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config",
+    "FusedCallError",
     "all_gather_matmul",
+    "check_errors",
     "explain",
     "matmul",
     "matmul_all_reduce",

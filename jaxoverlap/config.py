@@ -8,10 +8,26 @@ change what a call computes or how it communicates.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 Backend = Literal["auto", "xla", "fused"]
 _BACKENDS = ("auto", "xla", "fused")
+DEFAULT_TIMEOUT_S = 100.0
+MAX_TIMEOUT_S = 86400.0  # one day; the kernels count nanoseconds in 64 bits
+
+
+def check_timeout(where: str, timeout_s) -> float:
+    """``timeout_s`` as a float, or ValueError naming ``where`` unless it is a finite number in
+    (0, MAX_TIMEOUT_S]."""
+    ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not (ok and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(
+            f"{where}: timeout_s={timeout_s!r} must be a finite number of seconds in "
+            f"(0, {MAX_TIMEOUT_S:g}] (default {DEFAULT_TIMEOUT_S:g}); a wait without a bound "
+            f"would hang on a stalled peer instead of failing."
+        )
+    return float(timeout_s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,8 +43,14 @@ class Config:
         ``None`` picks the measured default for the shape.
       chunks: sub-chunks each rank's row block is split into, to shorten pipeline fill and
         drain. ``None`` picks the measured default.
-      timeout_s: bound on every cross-GPU wait. A peer that does not signal within this time
-        makes the op fail with an error naming the op, rank, peer and chunk, instead of hanging.
+      timeout_s: bound, in seconds, on every cross-GPU wait. A peer that does not signal within
+        this time makes the call give up on every rank instead of hanging: the outputs of the
+        ranks that gave up are NaN, and `jaxoverlap.check_errors()` (or else the next fused
+        call) raises an error naming the op, rank, peer and chunk. The default, 100 s, is
+        DeepEP's (PyTorch's NCCL watchdog waits 10 min): a healthy fused call takes
+        milliseconds, so 100 s still surfaces a real hang within two minutes, while a profiler,
+        compute-sanitizer, MPS time-slicing or a debugger that pauses one GPU for seconds does
+        not trip it. Finite, positive, at most `MAX_TIMEOUT_S`.
       deterministic: add partial sums in a fixed order, so equal inputs give equal bits on every
         run. ``False`` allows arrival-order reductions where a kernel offers them; today's
         kernels always reduce in a fixed order, so it changes nothing yet.
@@ -37,7 +59,7 @@ class Config:
     backend: Backend = "auto"
     comm_sms: int | None = None
     chunks: int | None = None
-    timeout_s: float = 5.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     deterministic: bool = True
 
     def __post_init__(self):
@@ -53,10 +75,7 @@ class Config:
             raise ValueError(
                 f"jaxoverlap.Config: chunks={self.chunks!r} must be a positive int or None."
             )
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(
-                f"jaxoverlap.Config: timeout_s={self.timeout_s!r} must be a positive number."
-            )
+        check_timeout("jaxoverlap.Config", self.timeout_s)
         if not isinstance(self.deterministic, bool):
             raise ValueError(
                 f"jaxoverlap.Config: deterministic={self.deterministic!r} must be a bool."

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
+import hashlib
 import math
 
 import jax
@@ -39,6 +39,7 @@ from jax._src import core
 from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology
+from jaxoverlap.config import DEFAULT_TIMEOUT_S, check_timeout
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
@@ -124,7 +125,6 @@ def _auto_reason(op, m, k, n_cols, dtype, n):
     )
 
 
-_site_ids = itertools.count(1)
 _stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
 _profile: contextvars.ContextVar[int] = contextvars.ContextVar("profile", default=0)
 
@@ -138,6 +138,18 @@ def _stalled_rank_for_tests(rank: int):
     """Test-only: ops lowered inside this block make ``rank`` never signal its pushes, so its
     peers must time out with an error naming it (instead of hanging)."""
     token = _stall_rank.set(int(rank))
+    try:
+        yield
+    finally:
+        _stall_rank.reset(token)
+
+
+@contextlib.contextmanager
+def _failed_rank_for_tests(rank: int):
+    """Test-only: ops lowered inside this block make the handler of ``rank`` fail after it
+    counted the call (as an out-of-memory or a cuBLASLt error would), while its peers launch:
+    every rank must give up that call promptly (abort word, not the timeout)."""
+    token = _stall_rank.set(-2 - int(rank))
     try:
         yield
     finally:
@@ -236,16 +248,30 @@ def _group_table(ctx, axis_name):
     if runtime.native() is None:
         raise FusedUnavailable(runtime.unavailable_reason())
     why = topology.unfusable_reason(
-        table, process_index=jax.process_index(), can_access_peer=runtime.can_access_peer
+        table,
+        process_index=jax.process_index(),
+        can_access_peer=runtime.can_access_peer,
+        compute_capability=runtime.compute_capability,
+        peer_link=runtime.peer_link,
     )
     if why:
         raise FusedUnavailable(why)
     return table
 
 
-def _table_attrs(table, comm_sms, chunks, timeout_s):
+def site_key(table, comm_sms, chunks, kind):
+    """The workspace key of a call (the ``site`` attribute): a hash of what every rank and every
+    process knows identically -- the group table, the settings and ``kind`` (the op's target,
+    operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
+    one workspace (ffi/runtime.h: fresh jit wrappers, unrolled layers of one op); different ops
+    and shapes never do, so two programs run from two threads never share one."""
+    text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _table_attrs(table, comm_sms, chunks, timeout_s, kind=()):
     return dict(
-        site=next(_site_ids),
+        site=site_key(table, comm_sms, chunks, kind),
         ordinals=table.ordinals,
         ranks=table.ranks,
         groups=table.groups.reshape(-1),
@@ -271,7 +297,8 @@ def lower(op, ctx, x, w, params):
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
         want = config.chunks or (entry["chunks"] if entry and entry["chunks"] else 1)
         chunks = choose_chunks(m_total, k, n_cols, want) or choose_chunks(m_total, k, n_cols, 1)
-        attrs = _table_attrs(table, 0, chunks, config.timeout_s)
+        kind = (AG_GEMM_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+        attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind)
         return jax.ffi.ffi_lowering(AG_GEMM_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
     entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
     setting = (
@@ -281,7 +308,9 @@ def lower(op, ctx, x, w, params):
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms or setting[1]
-    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s)
+    runtime.register_targets()
+    kind = (GEMM_RS_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind)
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 
 
@@ -291,7 +320,13 @@ tma_reduce_scatter_p = core.Primitive("jaxoverlap_tma_reduce_scatter")
 
 
 def tma_reduce_scatter(
-    x, axis_name, *, scatter_dimension=0, comm_sms=DEFAULT_RS_COMM_SMS, chunks=None, timeout_s=5.0
+    x,
+    axis_name,
+    *,
+    scatter_dimension=0,
+    comm_sms=DEFAULT_RS_COMM_SMS,
+    chunks=None,
+    timeout_s=DEFAULT_TIMEOUT_S,
 ):
     """``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`` with jaxoverlap's TMA
     kernel (private-ish; for the bandwidth benchmark). Call inside ``jax.shard_map`` on GPUs.
@@ -310,8 +345,9 @@ def tma_reduce_scatter(
     missing = tuple(a for a in names if a not in core.typeof(x).mat.varying)
     if missing:
         x = core.pvary(x, missing)
+    timeout_s = check_timeout("tma_reduce_scatter", timeout_s)
     return tma_reduce_scatter_p.bind(
-        x, axis_name=names, comm_sms=int(comm_sms), chunks=chunks, timeout_s=float(timeout_s)
+        x, axis_name=names, comm_sms=int(comm_sms), chunks=chunks, timeout_s=timeout_s
     )
 
 
@@ -348,7 +384,8 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
     if chunks is None:
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
-    attrs = _table_attrs(table, comm_sms, chunks, timeout_s)
+    kind = (RS_TARGET, tuple(aval.shape), str(aval.dtype))
+    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind)
     return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
 
 

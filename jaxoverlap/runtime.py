@@ -95,12 +95,55 @@ def can_access_peer(a: int, b: int) -> bool:
     return bool(mod is not None and mod.can_access_peer(int(a), int(b)))
 
 
-def pending_error() -> str:
-    """The timeout a jaxoverlap kernel of this process reported ('' if none).
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA ordinal; (-1, -1) when unknown."""
+    mod = native()
+    return tuple(mod.compute_capability(int(ordinal))) if mod is not None else (-1, -1)
 
-    Kernels that time out record op, rank, peer and chunk in host memory before they trap; the
-    next fused call raises with it, and this reads it directly (e.g. after XLA reported the trap
-    as a generic CUDA error).
+
+def peer_link(a: int, b: int) -> dict:
+    """The link ``a -> b`` as CUDA reports it: ``access``, ``native_atomics`` (true for NVLink /
+    NVSwitch peers only, false over PCIe) and ``performance_rank``."""
+    mod = native()
+    if mod is None:
+        return {"access": False, "native_atomics": False, "performance_rank": -1}
+    return dict(mod.peer_link(int(a), int(b)))
+
+
+def memory_in_use(ordinal: int) -> int:
+    """Device memory in use on a CUDA ordinal (total - free, all allocators), bytes."""
+    mod = native()
+    if mod is None:
+        raise RuntimeError(_load_error)
+    return int(mod.memory_in_use(int(ordinal)))
+
+
+class FusedCallError(RuntimeError):
+    """A fused call gave up: a cross-GPU wait timed out (a peer failed, stalled or ran another
+    program) or a rank failed after its peers launched. The message names op, device, rank,
+    peer and chunk."""
+
+
+def pending_error() -> str:
+    """The oldest unreported failure of a fused call in this process ('' if none); not cleared.
+
+    A wait that gives up records op, rank, peer and chunk in host memory, makes every rank of
+    that call give up too (the ranks whose waits gave up fill their outputs with NaN) and lets
+    the kernels exit: the process and its GPUs stay usable. The failure is then reported by the
+    next fused call of every workspace (it raises; the call after it runs normally), unless
+    `check_errors` reported it first.
     """
     mod = _native
     return mod.pending_error() if mod is not None else ""
+
+
+def check_errors() -> None:
+    """Raise `FusedCallError` for the oldest unreported failure of a fused call, and forget it.
+
+    Call it after ``jax.block_until_ready`` on a fused op's result to learn about a failure
+    before using the (NaN-filled) values; without it, the next fused call raises the failure.
+    """
+    mod = _native
+    msg = mod.take_error() if mod is not None else ""
+    if msg:
+        raise FusedCallError(msg)

@@ -15,6 +15,7 @@ import dataclasses
 import numpy as np
 
 MAX_GROUP = 8  # kMaxRanks in ffi/kernels/common.cuh
+BUILT_FOR = (9, 0)  # the extension is compiled for sm_90a only (CMakeLists.txt)
 
 
 class TopologyError(ValueError):
@@ -79,8 +80,22 @@ def group_table(mesh, axis_names) -> GroupTable:
     return GroupTable(n=n, ordinals=ordinals, ranks=ranks, groups=groups, processes=processes)
 
 
-def unfusable_reason(table: GroupTable, *, process_index: int, can_access_peer=None):
-    """None when the fused kernels can run on these groups, else a sentence saying why."""
+def unfusable_reason(
+    table: GroupTable,
+    *,
+    process_index: int,
+    can_access_peer=None,
+    compute_capability=None,
+    peer_link=None,
+):
+    """None when the fused kernels can run on these groups, else a sentence saying why.
+
+    ``compute_capability(ordinal) -> (major, minor)``: the build is sm_90a only, so anything but
+    9.0 (A100: 8.0, B200: 10.0) would fail at its first launch. ``peer_link(a, b) -> dict``: the
+    group must be NVLink-connected; CUDA reports native peer atomics for NVLink/NVSwitch links
+    only, so peer access without them is PCIe, where the fused kernels' fine-grained cross-GPU
+    traffic would lose to NCCL. Each callable is skipped when None.
+    """
     if table.n < 2:
         return "the group has a single device (nothing to reduce-scatter)"
     if table.n > MAX_GROUP:
@@ -92,10 +107,30 @@ def unfusable_reason(table: GroupTable, *, process_index: int, can_access_peer=N
         )
     if len(set(table.ordinals.tolist())) != len(table.ordinals):
         return "two mesh devices share a CUDA ordinal in this process"
+    groups = sorted({tuple(g) for g in table.groups.tolist()})
+    if compute_capability is not None:
+        for ordinal in sorted({o for g in groups for o in g}):
+            cc = tuple(compute_capability(ordinal))
+            if cc != BUILT_FOR:
+                return (
+                    f"GPU {ordinal} has compute capability {cc[0]}.{cc[1]}; the fused kernels "
+                    f"are built for {BUILT_FOR[0]}.{BUILT_FOR[1]} (sm_90a, Hopper) only"
+                )
     if can_access_peer is not None:
-        for group in {tuple(g) for g in table.groups.tolist()}:
+        for group in groups:
             for a in group:
                 for b in group:
                     if a != b and not can_access_peer(a, b):
                         return f"GPU {a} cannot access GPU {b} directly (no NVLink/P2P access)"
+    if peer_link is not None:
+        for group in groups:
+            for a in group:
+                for b in group:
+                    link = peer_link(a, b) if a != b else None
+                    if link is not None and not (link["access"] and link["native_atomics"]):
+                        return (
+                            f"GPU {a} reaches GPU {b} without NVLink (CUDA reports peer access "
+                            f"{link['access']}, native peer atomics {link['native_atomics']}: "
+                            f"PCIe), where the fused kernels would lose to NCCL"
+                        )
     return None

@@ -78,6 +78,9 @@ def lowering_only(monkeypatch):
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
+    nvlink = {"access": True, "native_atomics": True, "performance_rank": 0}
+    monkeypatch.setattr(runtime, "peer_link", lambda a, b: nvlink)
 
 
 def _calls(text, target):

@@ -18,6 +18,7 @@ import jaxoverlap
 from jaxoverlap import Config, fused, runtime
 
 OP = "matmul_reduce_scatter"
+NVLINK = {"access": True, "native_atomics": True, "performance_rank": 0}
 
 
 def _aval(shape, dtype=jnp.bfloat16):
@@ -111,6 +112,8 @@ def lowering_only(monkeypatch):
     monkeypatch.setattr(runtime, "native", lambda: object())
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
+    monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)
 
 
 def test_cuda_lowering_emits_the_custom_call(monkeypatch, lowering_only):

@@ -31,14 +31,17 @@ __device__ void sender(const CommArgs& a, char* smem, uint64_t* mbar, int b) {
   uint32_t it = 0;  // loads issued by this CTA so far (stage = it % kStages)
   for (int t = 0; t < n - 1; ++t) {
     const int j = (r + 1 + t) % n;
-    wait_flag(&local->slot_free[j], e - 1u, true, a.timeout_ns, a.err, p,
-              {a.op, kWaitSlotFree, j, -1});
+    // Giving up here or below is clean: every earlier chunk's stores completed (wait_group 0).
+    if (!wait_flag(&local->slot_free[j], e - 1u, true, a.timeout_ns, a.err, p,
+                   {a.op, kWaitSlotFree, j, -1}))
+      return;
     const char* block = a.src + (int64_t)(a.src_by_step ? t : j) * a.block_bytes;
     char* dst_block = p.stage[j] + (int64_t)stage_slot(r, j, n) * a.block_bytes;
     for (int k = 0; k < a.chunks; ++k) {
       if (a.wait_ready) {
-        wait_flag(&local->ready[t * a.chunks + k], e, false, a.timeout_ns, a.err, p,
-                  {a.op, kWaitGemmChunk, r, t * a.chunks + k});
+        if (!wait_flag(&local->ready[t * a.chunks + k], e, false, a.timeout_ns, a.err, p,
+                       {a.op, kWaitGemmChunk, r, t * a.chunks + k}))
+          return;
         fence_proxy_async();  // generic-proxy GEMM writes -> async-proxy (TMA) reads
       }
       const char* src = block + k * chunk_bytes;
@@ -141,13 +144,15 @@ __device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) 
   __syncthreads();
   uint32_t it = 0;
   for (int k = 0; k < a.chunks; ++k) {
-    for (int idx = threadIdx.x; idx < n * a.senders; idx += blockDim.x) {
+    bool ok = true;
+    for (int idx = threadIdx.x; ok && idx < n * a.senders; idx += blockDim.x) {
       const int s = idx / a.senders, q = idx % a.senders;
       if (s != r)
-        wait_flag(&local->arrive[s][k][q], e, true, a.timeout_ns, a.err, p,
-                  {a.op, kWaitArrival, s, k});
+        ok = wait_flag(&local->arrive[s][k][q], e, true, a.timeout_ns, a.err, p,
+                       {a.op, kWaitArrival, s, k});
     }
-    __syncthreads();
+    // The whole CTA gives up together; clean here: the previous chunk's stores completed.
+    if (__syncthreads_or(!ok)) return;
     const char* srcs[kMaxRanks];
     for (int s = 0; s < n; ++s) {
       const char* base = s == r ? a.own
@@ -203,10 +208,11 @@ __device__ void receiver(const CommArgs& a, char* smem, uint64_t* mbar, int rb) 
 // One thread moves `bytes` from src to dst (either may be on a peer) through `stages` smem
 // pieces of kPieceBytes: its pieces are b, b + nb, ... of kPieceBytes each. Loads run ahead;
 // one store stays in flight while the stage before it is refilled. `before_store` runs once
-// after the first loads are issued and before the first store (the place for a flag wait).
+// after the first loads are issued and before the first store (the place for a flag wait); if
+// it returns false, the issued loads are drained and bulk_move returns false without storing.
 // add: the store is a TMA bulk add at the destination (bf16 / f16, .noftz).
 template <typename Pre>
-__device__ void bulk_move(char* dst, const char* src, int64_t bytes, int b, int nb, char* smem,
+__device__ bool bulk_move(char* dst, const char* src, int64_t bytes, int b, int nb, char* smem,
                           uint64_t* mbar, int stages, uint32_t& it, bool add, DType dt,
                           Pre before_store) {
   const int64_t pieces = (bytes + kPieceBytes - 1) / kPieceBytes;
@@ -222,7 +228,11 @@ __device__ void bulk_move(char* dst, const char* src, int64_t bytes, int b, int 
   };
   tma_wait_read<0>();  // the previous call's last stores have read their stages
   for (int64_t i = 0; i < mine && i < stages; ++i) load(i);
-  before_store();
+  if (!before_store()) {
+    for (int64_t i = 0; i < mine && i < stages; ++i)
+      mbar_wait(&mbar[(it + i) % stages], ((it + i) / stages) & 1u);
+    return false;
+  }
   for (int64_t i = 0; i < mine; ++i) {
     const uint32_t st = (it + i) % stages;
     mbar_wait(&mbar[st], ((it + i) / stages) & 1u);
@@ -239,6 +249,7 @@ __device__ void bulk_move(char* dst, const char* src, int64_t bytes, int b, int 
     }
   }
   it += (uint32_t)mine;
+  return true;
 }
 
 // Reduce-push (n == 2), CTA b of nb; accumulator = this rank's staging slot. Warp 1's lane 0
@@ -265,12 +276,16 @@ __global__ void __launch_bounds__(kReducePushThreads, 1)
     const char* src = a.src + (int64_t)s * a.block_bytes;
     char* acc = p.stage[s];  // n == 2: the peer's only slot
     for (int k = 0; k < a.chunks; ++k) {
-      bulk_move(acc + k * chunk_bytes, src + k * chunk_bytes, chunk_bytes, b, nb, smem, mb,
-                kPushStages, it, true, a.dtype, [&] {
-                  wait_flag(&local->acc_ready[s][k][b], e, true, a.timeout_ns, a.err, p,
-                            {a.op, kWaitAccReady, s, k});
-                  fence_proxy_async();  // the peer's seed (acquired above) before our adds
-                });
+      const bool ok = bulk_move(
+          acc + k * chunk_bytes, src + k * chunk_bytes, chunk_bytes, b, nb, smem, mb, kPushStages,
+          it, true, a.dtype, [&] {
+            if (!wait_flag(&local->acc_ready[s][k][b], e, true, a.timeout_ns, a.err, p,
+                           {a.op, kWaitAccReady, s, k}))
+              return false;
+            fence_proxy_async();  // the peer's seed (acquired above) before our adds
+            return true;
+          });
+      if (!ok) return;  // the earlier chunks' adds completed (wait_group 0 below)
       tma_wait_all();  // adds complete and visible before the release
       if (signal) st_release_sys(&p.flags[s]->arrive[r][k][b], e);
     }
@@ -282,16 +297,19 @@ __global__ void __launch_bounds__(kReducePushThreads, 1)
     char* acc = p.stage[r];
     for (int k = 0; k < a.chunks; ++k) {
       bulk_move(acc + k * chunk_bytes, a.own + k * chunk_bytes, chunk_bytes, b, nb, st, mb,
-                kLocalStages, it, false, a.dtype, [] {});
+                kLocalStages, it, false, a.dtype, [] { return true; });
       tma_wait_all();
       if (signal) st_release_sys(&p.flags[s]->acc_ready[r][k][b], e);
     }
     for (int k = 0; k < a.chunks; ++k) {
-      wait_flag(&local->arrive[s][k][b], e, true, a.timeout_ns, a.err, p,
-                {a.op, kWaitArrival, s, k});
+      if (!wait_flag(&local->arrive[s][k][b], e, true, a.timeout_ns, a.err, p,
+                     {a.op, kWaitArrival, s, k})) {
+        tma_wait_all();  // the previous chunk's copy-out stores
+        return;
+      }
       fence_proxy_async();  // the peer's adds (acquired above) before our TMA reads
       bulk_move(a.out + k * chunk_bytes, acc + k * chunk_bytes, chunk_bytes, b, nb, st, mb,
-                kLocalStages, it, false, a.dtype, [] {});
+                kLocalStages, it, false, a.dtype, [] { return true; });
     }
     tma_wait_all();
   }
@@ -322,8 +340,9 @@ __global__ void wait_chunk_kernel(const __grid_constant__ Peers p, int chunk, in
     const int q = threadIdx.x;
     if (q < count) {
       const uint32_t* f = from_reduced ? &local->reduced[chunk][q] : &local->arrive[s][chunk][q];
-      wait_flag(f, e, !from_reduced, timeout_ns, err, p,
-                {op, from_reduced ? kWaitReduced : kWaitArrival, s, chunk});
+      if (!wait_flag(f, e, !from_reduced, timeout_ns, err, p,
+                     {op, from_reduced ? kWaitReduced : kWaitArrival, s, chunk}))
+        return;  // the GEMM that follows reads garbage; the join poisons the output
     }
     if (from_reduced) break;
   }
@@ -338,6 +357,18 @@ __global__ void release_slots_kernel(const __grid_constant__ Peers p) {
 
 __global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; }
 
+// The finish kernel of a call with an output: if a wait of this rank gave up in this call (or
+// `force`: its host failed), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it
+// cannot pass for a result; then advance the epoch. One block: the common case costs what
+// finish_kernel costs.
+__global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t nan,
+                                     int force) {
+  const uint32_t epoch = local->epoch;
+  if (force || local->gave_up == epoch + 1u)
+    for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) out[i] = nan;
+  __syncthreads();
+  if (threadIdx.x == 0) local->epoch = epoch + 1u;
+}
 
 }  // namespace
 
@@ -356,7 +387,7 @@ cudaError_t preload_comm_kernels() {
   const void* fns[] = {(const void*)comm_kernel<__nv_bfloat16>, (const void*)comm_kernel<__half>,
                        (const void*)signal_ready_kernel,        (const void*)wait_chunk_kernel,
                        (const void*)release_slots_kernel,       (const void*)finish_kernel,
-                       (const void*)reduce_push_kernel};
+                       (const void*)reduce_push_kernel,         (const void*)finish_poison_kernel};
   for (const void* f : fns)
     if ((e = cudaFuncGetAttributes(&attr, f))) return e;
   return cudaSuccess;
@@ -389,6 +420,14 @@ cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from
 
 cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
   release_slots_kernel<<<1, kMaxRanks, 0, stream>>>(peers);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
+                                 cudaStream_t stream, bool force) {
+  const uint16_t nan = dtype == DType::kBF16 ? 0x7fc0u : 0x7e00u;
+  finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2, nan,
+                                              force ? 1 : 0);
   return cudaGetLastError();
 }
 

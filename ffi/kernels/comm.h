@@ -40,7 +40,8 @@ struct CommArgs {
   int32_t src_by_step;    // 1: src block t is sent at step t (GEMM partials), 0: block j to rank j
   int32_t wait_ready;     // 1: wait for Flags::ready[t * chunks + k] before pushing (GEMM driver)
   int32_t signal_reduced; // 1: receivers release Flags::reduced[k][cta] when chunk k is summed
-  int32_t stall_rank;     // test-only: this rank never signals its pushes (-1: none)
+  int32_t stall_rank;     // test-only: this rank never signals its pushes (-1: none; <= -2:
+                          // the handler of rank -2 - stall_rank fails instead, see *_ffi.cc)
   int32_t op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -63,11 +64,16 @@ static_assert(kReducePushSmem <= kCommSmem, "reduce-push smem");
 cudaError_t preload_comm_kernels();  // force-load every kernel below on the current device
 cudaError_t launch_comm(const CommArgs& a, cudaStream_t stream);
 // GEMM-stream helpers: signal a finished chunk, wait for a chunk's inputs, release the staging
-// slots this rank consumed, and (on XLA's stream after the join) advance the epoch.
+// slots this rank consumed, and (on XLA's stream after the join) poison a given-up call's output
+// and advance the epoch.
 cudaError_t launch_signal_ready(Flags* local, int index, cudaStream_t stream);
 cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from_reduced,
                               int op, uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
 cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream);
 cudaError_t launch_finish(Flags* local, cudaStream_t stream);
+// launch_finish for a call with an output: first fills out[0, bytes) with NaN if a wait of this
+// rank gave up in the current call (Flags::gave_up), or always if `force`.
+cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
+                                 cudaStream_t stream, bool force = false);
 
 }  // namespace jaxoverlap

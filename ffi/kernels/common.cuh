@@ -22,7 +22,7 @@ enum WaitWhat : int32_t {
   kWaitAgBlock = 6,    // all-gather + GEMM: the GEMM waited for a peer's block of x to land
 };
 
-// Lives in host-mapped pinned memory so the host can read it even after the kernel trapped.
+// Lives in host-mapped pinned memory so the host reads it without synchronising with the GPU.
 struct ErrorRecord {
   int32_t set, op, what, device, rank, peer, chunk;
   uint32_t target, seen;
@@ -32,8 +32,9 @@ struct ErrorRecord {
 // One per (workspace, device); in device memory of that device; peers write into it over
 // NVLink. Flags are monotonic epochs: never reset, compared as (int32_t)(value - target) >= 0.
 struct Flags {
-  uint32_t epoch;  // calls completed on this workspace (incremented by the finish kernel)
-  uint32_t pad0[31];
+  uint32_t epoch;    // calls completed on this workspace (incremented by the finish kernel)
+  uint32_t gave_up;  // epoch target of the last call in which a wait of this rank gave up
+  uint32_t pad0[30];
   uint32_t ready[kMaxRanks * kMaxChunks];                  // local GEMM chunk finished
   uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
   uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
@@ -47,6 +48,11 @@ struct Peers {
   int32_t n, rank, device;
   char* stage[kMaxRanks];  // staging area on each rank (n - 1 slots of one block)
   Flags* flags[kMaxRanks];  // flag block on each rank
+  // Host-mapped, one per workspace, polled by every wait: the epoch target of a call that some
+  // rank gave up (a wait timed out, or its host failed after the peers launched), 0 if none.
+  // Every wait of that call then gives up too, so no rank spins on a partner that left.
+  // (One process per GPU will need it in each rank's peer-mapped Flags instead.)
+  uint32_t* abort;
 };
 
 // Staging slot on rank `dst` that holds the data sent by rank `src`.
@@ -95,16 +101,23 @@ struct WaitSite {
   int32_t op, what, peer, chunk;
 };
 
-// Spins until *p reaches `target` (monotonic epochs). On timeout: fills the host-mapped error
-// record, prints it, and traps -- the XLA stream then fails instead of hanging, and the next
-// jaxoverlap call on any device raises with this record.
+// Spins until *p reaches `target` (monotonic epochs) and returns true. Gives up and returns
+// false when the call is aborted (Peers::abort == target epoch `e` of the call, set by another
+// wait or by a host; also checked when the flag was satisfied only by a later call's value) or
+// after `timeout_ns`; a timeout fills the host-mapped error record, prints it and sets the
+// abort word. Either way it marks this rank's Flags::gave_up = e (the join then
+// fills the outputs with NaN). Callers stop issuing work, drain their TMA operations and return:
+// no __trap, so the CUDA context stays usable and the next call works.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
-__device__ __noinline__ inline void wait_flag(const uint32_t* p, uint32_t target, bool sys,
+__device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target, bool sys,
                                               uint64_t timeout_ns, ErrorRecord* err,
                                               const Peers& peers, WaitSite site) {
   uint32_t v = ld_relaxed(p, sys);
   if ((int32_t)(v - target) < 0) {
+    Flags* local = peers.flags[peers.rank];
+    const uint32_t e = ld_relaxed(&local->epoch, false) + 1u;
+    volatile uint32_t* abort = peers.abort;
     const uint64_t t0 = global_ns();
     uint32_t spins = 0;
     while (true) {
@@ -112,31 +125,52 @@ __device__ __noinline__ inline void wait_flag(const uint32_t* p, uint32_t target
       v = ld_relaxed(p, sys);
       if ((int32_t)(v - target) >= 0) break;
       if ((++spins & 63u) == 0) {
+        // The abort word is in host memory (a PCIe read): look at it every 1024 polls only.
+        if ((spins & 1023u) == 0 && abort && *abort == e) {
+          local->gave_up = e;
+          return false;
+        }
         const uint64_t dt = global_ns() - t0;
         if (dt > timeout_ns) {
-          volatile ErrorRecord* e = err;
-          e->op = site.op;
-          e->what = site.what;
-          e->device = peers.device;
-          e->rank = peers.rank;
-          e->peer = site.peer;
-          e->chunk = site.chunk;
-          e->target = target;
-          e->seen = v;
-          e->waited_s = dt * 1e-9;
-          __threadfence_system();
-          e->set = 1;
+          volatile ErrorRecord* r = err;
+          if (r && !r->set) {
+            r->op = site.op;
+            r->what = site.what;
+            r->device = peers.device;
+            r->rank = peers.rank;
+            r->peer = site.peer;
+            r->chunk = site.chunk;
+            r->target = target;
+            r->seen = v;
+            r->waited_s = dt * 1e-9;
+            __threadfence_system();
+            r->set = 1;
+          }
+          local->gave_up = e;
+          if (abort) *abort = e;
           __threadfence_system();
           printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk "
-                 "%d (wait kind %d, flag %u, wanted %u)\n",
+                 "%d (wait kind %d, flag %u, wanted %u); giving up this call\n",
                  site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk, site.what,
                  v, target);
-          __trap();
+          return false;
         }
       }
     }
   }
   fence_acquire(sys);
+  if ((int32_t)(v - target) > 0 && peers.abort) {
+    // A value beyond this call's: the peer has moved on to a later call, which only happens if
+    // this call was given up there (its abort word was raised before, so it is visible now).
+    // Its later data must not pass for this call's.
+    Flags* local = peers.flags[peers.rank];
+    const uint32_t e = ld_relaxed(&local->epoch, false) + 1u;
+    if (*(volatile uint32_t*)peers.abort == e) {
+      local->gave_up = e;
+      return false;
+    }
+  }
+  return true;
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
