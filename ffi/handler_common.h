@@ -49,12 +49,13 @@ inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
     return "group size " + std::to_string(n) + " is outside 2.." + std::to_string(kMaxRanks);
   if (ranks.size() != ordinals.size() || groups.size() != ordinals.size() * (size_t)n)
     return "malformed group table";
+  for (size_t i = 0; i < ordinals.size(); ++i)  // ranks first: the rows are indexed by them
+    if (ranks[i] < 0 || ranks[i] >= n)
+      return "group table gives device " + std::to_string(ordinals[i]) + " rank " +
+             std::to_string(ranks[i]) + ", outside 0.." + std::to_string(n - 1);
   int found = -1;
   for (size_t i = 0; i < ordinals.size(); ++i) {
     const int32_t r = ranks[i];
-    if (r < 0 || r >= n)
-      return "group table gives device " + std::to_string(ordinals[i]) + " rank " +
-             std::to_string(r) + ", outside 0.." + std::to_string(n - 1);
     const int32_t* row = groups.begin() + i * n;
     if (row[r] != ordinals[i])
       return "group table does not list device " + std::to_string(ordinals[i]) + " at its rank";
