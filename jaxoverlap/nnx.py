@@ -25,7 +25,11 @@ Two ways to call them, chosen per call from ``jax.sharding.get_abstract_mesh()``
   arrays, e.g. under ``jax.jit`` with ``jax.set_mesh(mesh)``. The layer runs its per-device
   computation in ``jax.shard_map`` over ``axis_name`` only (other mesh axes, such as a data axis
   on the batch, stay as they are). The mesh is the ``mesh=`` given to the constructor, else the
-  context mesh. ``Explicit`` axes are resharded with ``jax.reshard``; ``Auto`` ones by shard_map.
+  context mesh. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default) the layout is
+  fully determined: inputs are resharded (``jax.reshard``) to the table above, other axes stay on
+  the batch dimensions of ``x`` and of the output. On ``Auto`` axes shard_map reshards the inputs
+  and other axes are left to XLA's propagation, which may gather them around the
+  sequence-parallel collectives (seen on CPU: a ``dp`` all-gather of ``x``).
 * **Per device** (inside the user's ``jax.shard_map`` with ``axis_name`` manual): ``x`` and the
   params are shards (pass the state with ``in_specs=nnx.get_partition_spec(state)``), and the
   layer calls the op directly.
