@@ -23,13 +23,14 @@ Two ways to call them, chosen per call from ``jax.sharding.get_abstract_mesh()``
 
 * **Global view** (``axis_name`` is not a manual axis here): ``x`` and the params are global
   arrays, e.g. under ``jax.jit`` with ``jax.set_mesh(mesh)``. The layer runs its per-device
-  computation in ``jax.shard_map`` over ``axis_name`` only (other mesh axes, such as a data axis
-  on the batch, stay as they are). The mesh is the ``mesh=`` given to the constructor, else the
-  context mesh. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default) the layout is
-  fully determined: inputs are resharded (``jax.reshard``) to the table above, other axes stay on
-  the batch dimensions of ``x`` and of the output. On ``Auto`` axes shard_map reshards the inputs
-  and other axes are left to XLA's propagation, which may gather them around the
-  sequence-parallel collectives (seen on CPU: a ``dp`` all-gather of ``x``).
+  computation in a ``jax.shard_map`` over the mesh: the ``mesh=`` given to the constructor (a
+  ``jax.sharding.Mesh``), else the context mesh. On a mesh of ``Explicit`` axes
+  (``jax.make_mesh``'s default) the layout is fully determined: the inputs are resharded
+  (``jax.reshard``) to the table above, and other axes (a data axis, say) stay on the batch
+  dimensions of ``x`` and of the output; they are dropped from ``x``'s features and the params.
+  On ``Auto`` axes only ``axis_name`` is manual, shard_map reshards the inputs, and other axes are
+  left to XLA's propagation, which may gather them around the sequence-parallel collectives
+  (seen on CPU: a ``dp`` all-gather of ``x``).
 * **Per device** (inside the user's ``jax.shard_map`` with ``axis_name`` manual): ``x`` and the
   params are shards (pass the state with ``in_specs=nnx.get_partition_spec(state)``), and the
   layer calls the op directly.
@@ -126,37 +127,30 @@ class _ParallelLinear(nnx.Module):
         return self._global_call(mesh, seq, args)
 
     def _global_call(self, mesh, seq, args):
-        """Run `_per_device` in a shard_map over ``axis_name`` (see `_layout` for the specs)."""
-        a = self.axis_name
-        sp_dim = seq if self.sequence_parallel else None
-        # the dimension each argument (x, kernel, bias) and the result are split along by `a`
-        if self._column:
-            dims, out_dim = (sp_dim, 1, 0), -1
-        else:
-            dims, out_dim = (-1, 0, None), sp_dim
+        """Run `_per_device` on global ``args`` (x, kernel[, bias]) in a ``jax.shard_map``."""
+        a, sp_dim = self.axis_name, (seq if self.sequence_parallel else None)
+        # the dimension that `a` splits in x, kernel, bias and in the result (None: none)
+        dims, out_dim = ((sp_dim, 1, 0), -1) if self._column else ((-1, 0, None), sp_dim)
         dims = dims[: len(args)]
         free = {n: t for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
         if set(free.values()) == {AxisType.Auto}:
-            # shard_map reshards Auto axes itself; only `a` becomes manual
+            # only `a` becomes manual; shard_map reshards the inputs over it
             in_specs = tuple(_spec(v.ndim, d, a) for v, d in zip(args, dims))
             out_spec, manual = _spec(args[0].ndim, out_dim, a), {a}
         elif set(free.values()) == {AxisType.Explicit}:
-            # every free axis becomes manual (lax.psum_scatter fails to lower in a shard_map
-            # manual over only some Explicit axes, jax 0.11-0.12); x keeps its other axes on
-            # the batch dims, contracted dims and params are replicated over them
+            # every free axis becomes manual: lax.psum_scatter fails to lower in a shard_map that
+            # is manual over only some Explicit axes (jax 0.11, 0.12). x keeps its other axes on
+            # its batch dims; contracted dims and params are replicated over them.
             in_specs = tuple(
                 _explicit_spec(v, d, a, i == 0) for i, (v, d) in enumerate(zip(args, dims))
             )
-            args = tuple(_reshard(v, s, mesh) for v, s in zip(args, in_specs))
-            out = [_names(e) for e in in_specs[0][:-1]]
-            if sp_dim is not None:
+            args = tuple(_reshard(v, spec, mesh) for v, spec in zip(args, in_specs))
+            out = [_names(e) for e in in_specs[0][:-1]] + [(a,) if self._column else ()]
+            if sp_dim is not None:  # column: gathered there; row: scattered there
                 out[sp_dim] = tuple(n for n in out[sp_dim] if n != a) + (
                     () if self._column else (a,)
                 )
-            out_spec, manual = (
-                PartitionSpec(*map(_entry, out), a if self._column else None),
-                set(free),
-            )
+            out_spec, manual = PartitionSpec(*map(_entry, out)), set(free)
         else:
             raise ValueError(
                 f"{self._name}: the mesh mixes Auto and Explicit axes ({free}); use one axis type "

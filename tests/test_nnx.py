@@ -206,11 +206,13 @@ def test_no_bias_and_param_dtype():
 
 
 def test_mesh_argument_without_context_mesh():
-    """mesh= at construction: params placed on it, calls need no jax.set_mesh."""
+    """mesh= at construction: params placed on it, calls need no jax.set_mesh; sequence_dim=0."""
     mesh = mesh_of()
-    layer = ColumnParallelLinear(IN, OUT, rngs=nnx.Rngs(0), mesh=mesh, sequence_parallel=True)
+    layer = ColumnParallelLinear(
+        IN, OUT, rngs=nnx.Rngs(0), mesh=mesh, sequence_parallel=True, sequence_dim=0
+    )
     assert layer.kernel[...].sharding.spec == P(None, "tp")
-    x = jax.random.normal(jax.random.key(0), (B, S, IN))
+    x = jax.random.normal(jax.random.key(0), (S, B, IN))  # [seq, batch, features]
     y = jax.jit(lambda x: layer(x))(x)
     want = x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
     assert_close(y, want, TOL[jnp.float32])
