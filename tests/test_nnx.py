@@ -123,9 +123,10 @@ def test_jit_global_view_matches_linear(layer, sp, dtype, kind):
     ref_y, ref_grads = reference(ref, x, ct)
 
     graphdef, state = nnx.split(ours)
-    assert nnx.get_partition_spec(state)["kernel"].get_value() == (
-        P(None, "tp") if layer == "column" else P("tp", None)
-    )
+    specs = nnx.get_partition_spec(state)
+    column = layer == "column"
+    assert specs["kernel"].get_value() == (P(None, "tp") if column else P("tp", None))
+    assert specs["bias"].get_value() == (P("tp") if column else P(None))
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, x_spec(layer, sp)))
         fwd = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, xs).compile()
