@@ -4,14 +4,14 @@
 split with it); `RowParallelLinear` holds ``kernel [in, out]`` split along ``in`` (bias
 replicated, added once, after the reduction). `ParallelMLP` is the two in a row. Per device:
 
-==============  ================  ============================  ===================
-layer           input ``x``       computation                   output
-==============  ================  ============================  ===================
-column          ``[.., S, in]``   ``x @ kernel`` (local)        ``[.., S, out/t]``
-column, ``sp``  ``[.., S/t, in]`` ``all_gather_matmul``         ``[.., S, out/t]``
-row             ``[.., S, in/t]`` ``matmul_all_reduce``         ``[.., S, out]``
-row, ``sp``     ``[.., S, in/t]`` ``matmul_reduce_scatter``     ``[.., S/t, out]``
-==============  ================  ============================  ===================
+==============  ===================  ==========================  ====================
+layer           input ``x``          computation                 output
+==============  ===================  ==========================  ====================
+column          ``[.., S, in]``      ``x @ kernel`` (local)      ``[.., S, out/t]``
+column, ``sp``  ``[.., S/t, in]``    ``all_gather_matmul``       ``[.., S, out/t]``
+row             ``[.., S, in/t]``    ``matmul_all_reduce``       ``[.., S, out]``
+row, ``sp``     ``[.., S, in/t]``    ``matmul_reduce_scatter``   ``[.., S/t, out]``
+==============  ===================  ==========================  ====================
 
 (``t`` = size of ``axis_name``, ``sp`` = ``sequence_parallel=True``, ``S`` = dimension
 ``sequence_dim`` of ``x``, by default the one before the features.) Seen globally, the output of a
