@@ -51,7 +51,7 @@ def parse_args(argv=None):
     C.add_common_args(p, "transformer_layer")
     p.add_argument("--sizes", help=f"comma-separated names of {list(SIZES)} (default: all)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (default 8192)")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default: all tokens)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument(
         "--variants", default="plain,jaxoverlap,overlap_xla,nocomm", help=f"of {VARIANTS}"
     )
@@ -130,7 +130,7 @@ def measure_size(jax, mesh, tp, name, size, args, seed, jo):
 
     L = example()
     d, heads, ffn = size
-    seq = args.seq or args.tokens
+    seq = min(args.seq, args.tokens)
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
     attention = args.attention
     dims = L.Dims(d, heads, ffn, seq, batch=args.tokens // seq, layers=1, attention=attention)
