@@ -253,6 +253,12 @@ def plot(rows, path, title):
                 label=f"plain / {v}",
             )
         ax.axhline(1.0, color="k", lw=0.8)
+        ratios = [
+            C.ratio(r["ms"]["plain"], r["ms"].get(v)) or 1.0
+            for r in rows
+            for v in ("jaxoverlap", "nocomm")
+        ]
+        ax.set_ylim(min(0.9, min(ratios) - 0.02), max(ratios) + 0.03)
         ax.set_xticks([j + 0.2 for j in range(len(rows))], names)
         ax.set_ylabel("speedup over plain JAX")
 

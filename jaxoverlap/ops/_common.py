@@ -244,7 +244,7 @@ def contract_leading(a, b):
     The same dot that JAX's own transpose of ``a @ w`` emits: the operands' dtype in and out
     (GPU GEMMs accumulate bf16/f16 in f32 anyway; f64 stays f64). Asking for an f32 result and
     casting it back, as this did before, made XLA:GPU compile the dW dot as a fusion instead of a
-    cuBLAS GEMM: measured 3 % slower train steps on 2x H200 (docs/measurements.md, run 14).
+    cuBLAS GEMM (2x H200, docs/measurements.md, run 15).
     """
     lead = tuple(range(a.ndim - 1))
     return lax.dot_general(a, b, ((lead, lead), ((), ())))
