@@ -238,3 +238,42 @@ def test_float64_gradients_are_float64_accurate(op):
         for g, r in zip(grads(fn), grads(ref)):
             assert g.dtype == jnp.float64
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
+
+
+def _count_eqns(fn, *args):
+    """Primitive name -> count in ``fn``'s jaxpr, at any depth."""
+    counts = {}
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
+def test_training_gathers_no_more_than_plain_jax(op):
+    """Differentiating w.r.t. x and w (training) must not gather more than JAX's autodiff of the
+    reference does: one all_gather per op (RS: the cotangent, shared by dx and dW; AG: x in the
+    forward, kept for dW). With backend="auto" the work that can run fused does: RS forward, and
+    AG's dx (a matmul_reduce_scatter)."""
+    mesh, fn, ref, x, w, in_specs, out_spec = _setup(op)
+
+    def loss(f):
+        g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+        return jax.grad(lambda x, w: jnp.sum(g(x, w) ** 2), argnums=(0, 1))
+
+    ours, plain = _count_eqns(loss(fn), x, w), _count_eqns(loss(ref), x, w)
+    assert ours.get("all_gather", 0) == plain.get("all_gather", 0) == 1, (ours, plain)
+    assert ours.get("all_gather_matmul", 0) == 0, ours
+    assert ours.get("matmul_reduce_scatter", 0) == 1, ours
+    gx, gw = jax.jit(loss(fn))(x, w)
+    rx, rw = jax.jit(loss(ref))(x, w)
+    assert_close(gx, rx, F32)
+    assert_close(gw, rw, F32)

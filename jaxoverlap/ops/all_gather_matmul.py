@@ -98,7 +98,34 @@ def _transpose_w(ct, x, w, *, axis_name, gather_dimension, config):
     return _common.contract_leading(gathered, ct)
 
 
+def _jvp(primals, tangents, *, axis_name, gather_dimension, config):
+    """With a tangent on w (weights being trained) dW needs the gathered x, which plain JAX keeps
+    from the forward as a residual. The fused kernel does not hand out the x it gathered, so under
+    ``backend="auto"``/``"xla"`` the forward is then the plain ``all_gather(x) @ w`` (its gather
+    kept for dW) and only dx's transpose, a matmul_reduce_scatter, runs fused -- the op forward
+    would gather x a second time for dW. ``backend="fused"`` keeps the op forward (as asked) and
+    gathers x again for dW. Without a tangent on w: the op, and the sibling op for dx."""
+    x, w = primals
+    dx, dw = tangents
+    params = dict(axis_name=axis_name, gather_dimension=gather_dimension, config=config)
+    if type(dw) is ad.Zero:
+        out = all_gather_matmul_p.bind(x, w, **params)
+        if type(dx) is ad.Zero:
+            return out, ad.Zero.from_primal_value(out)
+        return out, all_gather_matmul_p.bind(dx, w, **params)
+    gathered = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    if config.backend == "fused":
+        out = all_gather_matmul_p.bind(x, w, **params)
+    else:
+        out = jnp.matmul(gathered, w)
+    tangent = jnp.matmul(gathered, dw)
+    if type(dx) is not ad.Zero:
+        tangent = tangent + all_gather_matmul_p.bind(dx, w, **params)
+    return out, tangent
+
+
 ad.defbilinear(all_gather_matmul_p, _transpose_x, _transpose_w)
+ad.primitive_jvps[all_gather_matmul_p] = _jvp
 batching.primitive_batchers[all_gather_matmul_p] = _common.batch_rule(
     all_gather_matmul_p.bind, "gather_dimension"
 )

@@ -106,7 +106,32 @@ def _transpose_w(ct, x, w, *, axis_name, scatter_dimension, config):
     return _common.contract_leading(x, gathered)
 
 
+def _jvp(primals, tangents, *, axis_name, scatter_dimension, config):
+    """The op itself forward. Its tangent, when both x and w carry one, is the plain
+    ``psum_scatter(dx @ w + x @ dw)`` under ``backend="auto"``/``"xla"``: its transpose gathers the
+    cotangent once for both gradients, exactly as JAX differentiates the reference, where the two
+    sibling ops would gather it twice (the fused all_gather_matmul for dx, an all_gather for
+    dW). ``backend="fused"`` keeps the sibling ops, as asked. One tangent: the sibling op."""
+    x, w = primals
+    dx, dw = tangents
+    params = dict(axis_name=axis_name, scatter_dimension=scatter_dimension, config=config)
+    out = matmul_reduce_scatter_p.bind(x, w, **params)
+    zx, zw = type(dx) is ad.Zero, type(dw) is ad.Zero
+    if zx and zw:
+        return out, ad.Zero.from_primal_value(out)
+    if zw:
+        return out, matmul_reduce_scatter_p.bind(dx, w, **params)
+    if zx:
+        return out, matmul_reduce_scatter_p.bind(x, dw, **params)
+    if config.backend == "fused":
+        bind = matmul_reduce_scatter_p.bind
+        return out, bind(dx, w, **params) + bind(x, dw, **params)
+    both = jnp.matmul(dx, w) + jnp.matmul(x, dw)
+    return out, lax.psum_scatter(both, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+
+
 ad.defbilinear(matmul_reduce_scatter_p, _transpose_x, _transpose_w)
+ad.primitive_jvps[matmul_reduce_scatter_p] = _jvp
 batching.primitive_batchers[matmul_reduce_scatter_p] = _common.batch_rule(
     matmul_reduce_scatter_p.bind, "scatter_dimension"
 )
