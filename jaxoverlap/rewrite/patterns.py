@@ -1,30 +1,47 @@
 """Which matmul/collective pairs of one jaxpr the jaxoverlap ops can replace, and why not the rest.
 
-A *candidate* is a matmul (``dot_general``) directly connected to a collective in the same jaxpr:
+A *candidate* is a matmul (``dot_general``) connected to a collective in the same jaxpr:
 
-* ``dot_general -> reduce_scatter``  (``lax.psum_scatter``)     -> ``matmul_reduce_scatter``
-* ``all_gather -> dot_general``      (gathered value is ``x``)  -> ``all_gather_matmul``
-* ``dot_general -> psum``            (``lax.psum``)             -> ``matmul_all_reduce``
+* ``dot_general -> [between] -> reduce_scatter`` (``lax.psum_scatter``) -> ``matmul_reduce_scatter``
+* ``dot_general -> [between] -> psum``           (``lax.psum``)         -> ``matmul_all_reduce``
+* ``all_gather -> [between] -> dot_general(s)``  (gathered value is x)  -> ``all_gather_matmul``
 
-"Matmul" means a ``dot_general`` contracting the last dimension of ``x [..., K]`` with the first
-of a 2-D ``w [K, N]``, or with the last of ``w [N, K]`` (``einsum("mk,nk->mn")``, the layout of
-PyTorch-style weights and of backward passes; the op then gets ``w.T``).
-
-A candidate is replaced only when the op computes exactly what the pair computes: the same
-operands, the same collective over the same shard_map axes, the same output type. Every rule
-below that says no names its reason; `Candidate` carries it to `jaxoverlap.explain`.
+"Matmul" is any ``dot_general`` that is a 2-D matmul after reshaping (`views.dot_view`): x
+contracted on its trailing dims, N-D weights in any layout. "Between" are up to `MAX_BETWEEN`
+single-use equations. A cast, a reshape or a bias add between the pair is moved across the
+collective where that keeps the result within dtype tolerance (the rules are in `_move_back`
+and `gathers`); anything else makes the pair a *near miss*, listed with the equation in between
+and how to move it. Every rule that says no names its reason; `Candidate` carries it to
+`jaxoverlap.explain`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
+from collections.abc import Callable
 
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 from jax._src import core, source_info_util
+from jax._src.config import _check_vma as check_vma
+from jax.extend.core import ClosedJaxpr
 
-_SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma=True
+from jaxoverlap.rewrite import views
+
+SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma=True
+COLLECTIVES = frozenset({*SUM_PRIMS, "reduce_scatter", "all_gather", "all_to_all", "ppermute"})
+MAX_BETWEEN = 4  # equations searched between a matmul and its collective
+
+# How to move an equation found between the pair, for explain's near-miss reasons.
+HINTS = {
+    "mul": "scale after the collective instead (a scale by a replicated value commutes with it)",
+    "div": "divide after the collective instead (by a replicated value it commutes with it)",
+    "neg": "negate after the collective",
+    "pvary": "the matmul's operands are both replicated; make one of them sharded",
+}
+NONLINEAR = "it does not commute with the collective; apply it after the collective"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +52,14 @@ class Candidate:
       op: the jaxoverlap op that would replace the pair.
       rewritten: whether it was replaced.
       reason: why not (empty when rewritten).
-      detail: the pair, e.g. ``f32[64,128] @ f32[128,256] -> reduce_scatter(('tp',), dim 0)``.
+      detail: the pair, e.g. ``f32[64,128] @ f32[128,256] -> psum_scatter(('tp',), dim 0)``.
       location: the user source line of the collective (or of the matmul for all_gather).
       scope: the nesting it was found in, outermost first, e.g. ``jit > shard_map > scan``.
+      note: what the rewrite did besides swapping the pair (moved a bias, reshaped a weight...).
+      path: for a rewrite, the path the op takes on this machine's GPUs: ``"fused"`` or
+        ``"reference: <why>"`` (from `jaxoverlap.fused.unsupported_reason`).
+      kind: ``"candidate"``; ``"near miss"`` (something between the pair stops it);
+        ``"out of scope"`` (a pattern the ops do not implement, e.g. an FSDP weight gather).
     """
 
     op: str
@@ -46,86 +68,66 @@ class Candidate:
     detail: str
     location: str
     scope: str
+    note: str = ""
+    path: str = ""
+    kind: str = "candidate"
 
     def __str__(self):
-        status = "rewritten" if self.rewritten else "skipped"
+        status = "rewritten" if self.rewritten else ("near miss" if self.kind == "near miss"
+                                                     else "skipped")  # fmt: skip
         line = f"{status:9} {self.op}: {self.detail}  [{self.scope}; {self.location}]"
-        return line if self.rewritten else f"{line}\n          why: {self.reason}"
+        if not self.rewritten:
+            return f"{line}\n          why: {self.reason}"
+        note = f"\n          does: {self.note}" if self.note else ""
+        return f"{line}{note}\n          path: {self.path}"
 
 
 @dataclasses.dataclass
 class Match:
-    """A candidate inside one jaxpr: equation indices, the op's operands and keyword arguments."""
+    """A candidate inside one jaxpr: which equations it replaces and how to compute them.
+
+    ``build(op_fn, *inputs)`` returns the values replacing ``outs``; the walk traces it in the
+    candidate's shard_map context, splices its equations in at ``last`` and drops ``drop``.
+    """
 
     op: str
-    first: int  # index of the earlier equation of the pair
-    last: int  # index of the later one; the op is spliced in here
-    x: core.Atom
-    w: core.Atom  # as the matmul takes it: [K, N], or [N, K] when transpose_w
-    out: core.Var  # the pair's result, which the op's result replaces
-    kwargs: dict
+    first: int  # index of the earliest equation of the pair
+    last: int  # where the op's equations go (every input is defined before it)
+    drop: frozenset[int]
+    inputs: tuple
+    outs: tuple
+    build: Callable | None
     detail: str
     location: str
     reason: str | None = None
-    transpose_w: bool = False  # the matmul is x @ w.T: the op gets jnp.transpose(w)
+    note: str = ""
+    kind: str = "candidate"
 
 
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)  # includes bfloat16 and float8 (ml_dtypes)
+class NearMiss(Exception):
+    """Something between the pair cannot be moved across the collective; the message says what."""
 
 
-def _short(atom) -> str:
+def short(atom) -> str:
     return atom.aval.str_short(short_dtypes=True)
 
 
-def _where(eqn) -> str:
+def where(eqn) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
-def matmul_problem(eqn) -> str | None:
-    """Why this ``dot_general`` is not ``jnp.matmul(x [..., K], w [K, N])`` as the ops compute."""
-    x, w = (v.aval for v in eqn.invars)
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lb or rb:
-        return "the matmul has batch dimensions (the ops take x [..., K] and a single w [K, N])"
-    if w.ndim != 2:
-        return f"the weight operand has rank {w.ndim}; the ops take w as [K, N]"
-    if tuple(rc) not in ((0,), (1,)):
-        return f"the weight is contracted on dimensions {tuple(rc)}"
-    if tuple(lc) != (x.ndim - 1,):
-        return f"x is contracted on dimension {tuple(lc)}, not on its last one (x must be [..., K])"
-    if x.dtype != w.dtype:
-        return f"the operands have different dtypes ({x.dtype} and {w.dtype})"
-    if not _is_float(x.dtype):
-        return f"dtype {x.dtype} is not floating point (the ops are float-only)"
-    if eqn.params.get("precision") is not None:
-        return (
-            f"precision={eqn.params['precision']} (the ops run the matmul at default precision, "
-            "which may differ)"
-        )
-    pet = eqn.params.get("preferred_element_type")
-    if pet is not None and np.dtype(pet) != x.dtype:
-        return (
-            f"preferred_element_type={np.dtype(pet)} differs from the operand dtype {x.dtype} "
-            "(the ops return x.dtype)"
-        )
-    sharding = eqn.params.get("out_sharding")
-    if sharding is not None and any(e is not None for e in getattr(sharding, "spec", (0,))):
-        # (Backward-pass matmuls inside shard_map carry a fully replicated one: a no-op.)
-        return f"the matmul carries an explicit out_sharding {sharding}"
-    return None
+def hint(eqn) -> str:
+    return HINTS.get(eqn.primitive.name, NONLINEAR)
 
 
-def _transposed(dot) -> bool:
-    """``x @ w.T``: the weight is stored ``[N, K]`` and contracted on its last dimension."""
-    (_, rc), _ = dot.params["dimension_numbers"]
-    return dot.invars[1].aval.ndim == 2 and tuple(rc) == (1,)
+def group_size(eqn) -> int:
+    return int(eqn.params.get("axis_size") or 0) or 1
 
 
 def collective_problem(eqn, manual_axes) -> str | None:
     """Why this collective is not the one the ops perform over shard_map axes."""
     p = eqn.params
-    names = p["axes"] if eqn.primitive.name in _SUM_PRIMS else p["axis_name"]
+    names = p["axes"] if eqn.primitive.name in SUM_PRIMS else p["axis_name"]
     if p.get("axis_index_groups") is not None:
         return "axis_index_groups is set (the ops communicate over whole mesh axes)"
     if "tiled" in p and not p["tiled"]:
@@ -140,13 +142,42 @@ def collective_problem(eqn, manual_axes) -> str | None:
     return None
 
 
-def _collective_desc(eqn) -> str:
+def collective_desc(eqn) -> str:
     p = eqn.params
-    if eqn.primitive.name in _SUM_PRIMS:
+    if eqn.primitive.name in SUM_PRIMS:
         return f"psum({tuple(p['axes'])})"
     if eqn.primitive.name == "all_gather":
         return f"all_gather({tuple(p['axis_name'])}, dim {p['all_gather_dimension']})"
     return f"psum_scatter({tuple(p['axis_name'])}, dim {p['scatter_dimension']})"
+
+
+class Graph:
+    """Producers and uses of the variables of one jaxpr."""
+
+    def __init__(self, jaxpr: core.Jaxpr):
+        self.jaxpr, self.eqns = jaxpr, jaxpr.eqns
+        self.producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+        self.uses = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var))
+        self.uses.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
+        self.users: dict = {}
+        for i, e in enumerate(jaxpr.eqns):
+            for v in e.invars:
+                if isinstance(v, core.Var):
+                    self.users.setdefault(v, []).append(i)
+
+    def made_by(self, v, *names):
+        j = self.producer.get(v) if isinstance(v, core.Var) else None
+        return j if j is not None and self.eqns[j].primitive.name in names else None
+
+    def defined_before(self, atom, i) -> bool:
+        return not isinstance(atom, core.Var) or self.producer.get(atom, -1) < i
+
+
+def walkable(eqn) -> bool:
+    """An equation the search may look through: one result, no sub-jaxprs, no collective."""
+    name = eqn.primitive.name
+    nested = any(isinstance(v, (core.Jaxpr, ClosedJaxpr)) for v in eqn.params.values())
+    return len(eqn.outvars) == 1 and name not in COLLECTIVES | {"dot_general"} and not nested
 
 
 def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
@@ -154,84 +185,192 @@ def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
 
     ``Match.reason`` is None for those that may be replaced (subject to the op accepting them).
     """
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    uses = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var))
-    uses.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
+    from jaxoverlap.rewrite import gathers  # its helpers import this module
+
+    g = Graph(jaxpr)
     claimed: set[int] = set()
     matches = []
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         if name == "all_gather":
-            m = _match_all_gather(jaxpr, i, uses, manual_axes)
-        elif name == "reduce_scatter" or name in _SUM_PRIMS:
-            m = _match_reduction(jaxpr, i, producer, uses, manual_axes)
+            found = [gathers.match_all_gather(g, i, manual_axes)]
+        elif name == "reduce_scatter" or name in SUM_PRIMS:
+            found = [_match_reduction(g, i, manual_axes)]
+        elif name.startswith("custom_vjp_call"):
+            found = gathers.custom_vjp_near_misses(g, i)
         else:
             continue
-        if m is None:
-            continue
-        if m.reason is None and (m.first in claimed or m.last in claimed):
-            m.reason = "its matmul is already being fused with another collective"
-        if m.reason is None:
-            claimed.update((m.first, m.last))
-        matches.append(m)
+        for m in found:
+            if m is None:
+                continue
+            if m.reason is None and (claimed & m.drop):
+                m.reason = "its matmul is already being fused with another collective"
+            if m.reason is None:
+                claimed.update(m.drop)
+            matches.append(m)
     return matches
 
 
-def _match_reduction(jaxpr, i, producer, uses, manual_axes) -> Match | None:
-    coll = jaxpr.eqns[i]
-    src = coll.invars[0]
-    j = producer.get(src) if isinstance(src, core.Var) else None
-    if j is None or jaxpr.eqns[j].primitive.name != "dot_general":
+def _path_back(g: Graph, v, depth):
+    """``[(dot index, None), (index, operand on the path), ...]`` from a ``dot_general`` to the
+    producer of ``v``, through single-use walkable equations, or None."""
+    j = g.producer.get(v) if isinstance(v, core.Var) else None
+    if j is None:
         return None
-    dot = jaxpr.eqns[j]
-    x, w = dot.invars
-    if coll.primitive.name == "reduce_scatter":
-        op = "matmul_reduce_scatter"
-        kwargs = dict(
-            axis_name=tuple(coll.params["axis_name"]),
-            scatter_dimension=coll.params["scatter_dimension"],
-        )
-    else:
-        op = "matmul_all_reduce"
-        kwargs = dict(axis_name=tuple(coll.params["axes"]))
-    t = _transposed(dot)
+    if g.eqns[j].primitive.name == "dot_general":
+        return [(j, None)]
+    if depth == 0 or not walkable(g.eqns[j]):
+        return None
+    for a in g.eqns[j].invars:
+        if isinstance(a, core.Var) and g.uses[a] == 1:
+            path = _path_back(g, a, depth - 1)
+            if path is not None:
+                return [*path, (j, a)]
+    return None
+
+
+def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
+    coll = g.eqns[i]
+    path = _path_back(g, coll.invars[0], MAX_BETWEEN)
+    if path is None:
+        return None
+    (j, _), between = path[0], path[1:]
+    dot = g.eqns[j]
+    x_pos = views.x_position(dot)
+    x, w = dot.invars[x_pos], dot.invars[1 - x_pos]
+    rs = coll.primitive.name == "reduce_scatter"
+    op = "matmul_reduce_scatter" if rs else "matmul_all_reduce"
+    axes = tuple(coll.params["axis_name"] if rs else coll.params["axes"])
+    shown = "".join(f" -> {g.eqns[b].primitive.name}" for b, _ in between)
     m = Match(
-        op, j, i, x, w, coll.outvars[0], kwargs,
-        detail=f"{_short(x)} @ {_short(w)}{'.T' if t else ''} -> {_collective_desc(coll)}",
-        location=_where(coll), transpose_w=t,
+        op, j, i, frozenset((j, *(b for b, _ in between), i)), (x, w), (coll.outvars[0],), None,
+        detail=f"{short(x)} @ {short(w)}{shown} -> {collective_desc(coll)}",
+        location=where(coll),
     )  # fmt: skip
-    m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
-    if m.reason is None and uses[src] != 1:
+    view, m.reason = views.dot_view(dot, x_pos)
+    if view is not None and view.describe(w.aval) == "w.T":
+        m.detail = m.detail.replace(f"@ {short(w)}", f"@ {short(w)}.T", 1)
+    m.reason = m.reason or collective_problem(coll, manual_axes)
+    if m.reason is None and g.uses[dot.outvars[0]] != 1:
         m.reason = "the matmul result is also used elsewhere (the ops do not expose it)"
+    if m.reason is not None:
+        return m
+    n = group_size(coll) if rs else 1
+    d = coll.params["scatter_dimension"] if rs else None
+    try:
+        steps, extras, notes, d = _move_back(g, between, d, n, axes)
+    except NearMiss as e:
+        m.kind, m.reason = "near miss", str(e)
+        return m
+    op_shape = (*view.lead, math.prod(view.n_shape))
+    unswapped = (*view.lead, *view.n_shape)
+    kwargs = dict(axis_name=axes)
+    du = None if d is None else view.unswapped_dim(d)
+    if rs:
+        d_op = views.map_dim(unswapped, op_shape, du, n)
+        if d_op is None:
+            m.reason = (f"it scatters result dimension {d}, a weight dimension other than the "
+                        "first, which is not a block of the flattened [K, N] matmul")  # fmt: skip
+            return m
+        kwargs["scatter_dimension"] = d_op
+    local_unswapped = views.local(unswapped, du, n)
+    if view.reshaped:
+        notes.insert(0, f"matmul as x [..., K] @ {view.describe(w.aval)}")
+
+    def build(op_fn, x, w, *extra):
+        y = view.out_local(op_fn(view.x2(x), view.w2(w), **kwargs), local_unswapped)
+        for step in steps:
+            y = step(y, extra)
+        return [y]
+
+    m.inputs, m.build, m.note = (x, w, *extras), build, "; ".join(notes)
     return m
 
 
-def _match_all_gather(jaxpr, i, uses, manual_axes) -> Match | None:
-    coll = jaxpr.eqns[i]
-    g = coll.outvars[0]
-    consumers = [
-        (j, e) for j, e in enumerate(jaxpr.eqns[i + 1 :], i + 1)
-        if e.primitive.name == "dot_general" and g in e.invars
-    ]  # fmt: skip
-    if not consumers:
-        return None
-    j, dot = consumers[0]
-    x, w = dot.invars
-    t = _transposed(dot)
-    m = Match(
-        "all_gather_matmul", i, j, coll.invars[0], w, dot.outvars[0],
-        dict(axis_name=tuple(coll.params["axis_name"]),
-             gather_dimension=coll.params["all_gather_dimension"]),
-        detail=f"{_collective_desc(coll)} of {_short(coll.invars[0])} -> @ {_short(w)}"
-        f"{'.T' if t else ''}",
-        location=_where(dot), transpose_w=t,
-    )  # fmt: skip
-    if x is not g:
-        m.reason = "the gathered value is the matmul's weight operand (the ops gather x)"
-    else:
-        m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
-    if m.reason is None and coll.params["all_gather_dimension"] == g.aval.ndim - 1:
-        m.reason = "the gather is along K, which the matmul contracts (the ops gather a row dim)"
-    if m.reason is None and uses[g] != 1:
-        m.reason = "the gathered value is also used elsewhere (the ops do not expose it)"
-    return m
+def _move_back(g: Graph, between, d, n, axes):
+    """Steps that redo ``between`` after the collective, walking back from it.
+
+    Returns ``(steps, extra inputs, notes, d at the matmul's result)``, ``d`` the scattered
+    dimension (None for psum), or raises `NearMiss`. A cast, transpose or reshape moves across
+    unchanged (the sum then runs in the matmul's dtype: within the tolerance of the narrower
+    dtype). A bias ``c`` added
+    on every rank adds ``psum(c)`` after the collective (``n * c`` for a replicated bias): it
+    must be constant along the scattered dimension.
+    """
+    steps, extras, notes = [], [], []
+    for b, src in reversed(between):
+        e = g.eqns[b]
+        name, (out,) = e.primitive.name, e.outvars
+        after = views.local(out.aval.shape, d, n)
+        why = f"a {name} ({where(e)}) between the matmul and the collective: "
+        if name == "convert_element_type" and jnp.issubdtype(out.aval.dtype, jnp.floating):
+            dt = out.aval.dtype
+            steps.append(lambda y, _, dt=dt: lax.convert_element_type(y, dt))
+            notes.append(f"cast to {dt} moved after the collective")
+        elif name == "transpose":
+            perm = tuple(e.params["permutation"])
+            d = None if d is None else perm[d]
+            steps.append(lambda y, _, perm=perm: jnp.transpose(y, perm))
+            notes.append("transpose moved after the collective")
+        elif name == "reshape" and e.params.get("dimensions") is None:
+            if d is not None:
+                d = views.map_dim(out.aval.shape, src.aval.shape, d, n)
+                if d is None:
+                    raise NearMiss(why + "it moves the scattered dimension; scatter first")
+            steps.append(lambda y, _, s=after: y.reshape(s))
+            notes.append("reshape moved after the collective")
+        elif name in ("add", "sub"):
+            other = e.invars[1] if e.invars[0] is src else e.invars[0]
+            bias, keep = _bias_source(g, other, out.aval.ndim)
+            if bias is None or (d is not None and keep and keep[d] != 1):
+                raise NearMiss(why + "the added value varies along the scattered dimension (or "
+                               "is not a broadcast bias); add it after the collective")  # fmt: skip
+            k = len(extras)
+            extras.append(bias)
+            op = "rsub" if (name == "sub" and e.invars[1] is src) else name
+            lit = isinstance(bias, core.Literal)
+            steps.append(lambda y, ex, k=k, keep=keep, op=op, lit=lit:
+                         _add_bias(y, ex[k], keep, axes, op, lit))  # fmt: skip
+            notes.append(f"{name} of a bias moved after the collective (as its psum over {axes})")
+        else:
+            raise NearMiss(why + hint(e))
+    return steps[::-1], extras, notes[::-1], d
+
+
+def _bias_source(g: Graph, atom, ndim):
+    """The value a broadcast addend comes from, and its shape with the broadcast dims as 1
+    (``()`` for a scalar): through ``pvary`` and one ``broadcast_in_dim``."""
+    keep = None
+    for _ in range(4):
+        j = g.made_by(atom, "pvary", "broadcast_in_dim", "convert_element_type")
+        if j is None:
+            break
+        e = g.eqns[j]
+        if e.primitive.name == "convert_element_type":  # (_add_bias casts to y's dtype)
+            atom = e.invars[0]
+            continue
+        if e.primitive.name == "pvary":
+            atom = e.invars[e.outvars.index(atom)]
+            continue
+        if keep is not None:
+            break
+        dims = e.params["broadcast_dimensions"]
+        src = e.invars[0]
+        keep = tuple(src.aval.shape[dims.index(i)] if i in dims else 1 for i in range(ndim))
+        atom = src
+    shape = tuple(atom.aval.shape)
+    if keep is None:
+        keep = shape if len(shape) == ndim else (() if not shape else None)
+    if keep is None or (keep and all(s != 1 for s in keep)):
+        return None, None  # a full-size addend: moving it costs a full-size collective
+    return atom, keep
+
+
+def _add_bias(y, c, keep, axes, op, literal):
+    # A replicated bias (typed so under check_vma, or a literal): its psum is n * c.
+    if literal or check_vma.value and not set(axes) & set(core.typeof(c).mat.varying):
+        c = c * math.prod(core.get_axis_env().axis_size(a) for a in axes)
+    else:  # (without check_vma, replication is not typed: a psum of the small bias)
+        c = lax.psum(c, axes)
+    c = lax.convert_element_type(c.reshape(keep) if keep else c, y.dtype)
+    return {"add": lambda: y + c, "sub": lambda: y - c, "rsub": lambda: c - y}[op]()
