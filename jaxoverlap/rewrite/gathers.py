@@ -49,7 +49,7 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         if dots:
             break
         if len(users) != 1 or g.uses[v] != 1 or not walkable(g.eqns[users[0]]):
-            return None
+            return _near_miss_downstream(g, i, v, MAX_BETWEEN - len(between))
         e = g.eqns[users[0]]
         if blocker is None and not (e.primitive.name in _MOVABLE and len(e.invars) == 1):
             blocker = e
@@ -151,6 +151,33 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     return m
 
 
+def _near_miss_downstream(g: Graph, i, v, depth) -> Match | None:
+    """A matmul reached from ``v`` through up to ``depth`` walkable equations (e.g. a norm of
+    the gathered value): a near miss naming the first of them. None if there is none."""
+    frontier, seen = [(v, None)], set()
+    for _ in range(depth):
+        nxt = []
+        for u, first in frontier:
+            for j in g.users.get(u, []):
+                e = g.eqns[j]
+                if e.primitive.name == "dot_general" and first is not None:
+                    f = g.eqns[first]
+                    return Match(
+                        "all_gather_matmul", i, j, frozenset(), (), (), None,
+                        detail=f"{collective_desc(g.eqns[i])} of {short(g.eqns[i].invars[0])} "
+                        f"-> {f.primitive.name} ... -> @ {short(e.invars[1])}",
+                        location=where(e), kind="near miss",
+                        reason=f"a {f.primitive.name} ({where(f)}) between the all_gather and "
+                        f"the matmul: {hint(f)} or before the all_gather (a row-wise op such as "
+                        "a norm commutes with a gather of rows)",
+                    )  # fmt: skip
+                if j not in seen and walkable(e):
+                    seen.add(j)
+                    nxt.append((e.outvars[0], j if first is None else first))
+        frontier = nxt
+    return None
+
+
 def custom_vjp_near_misses(g: Graph, i) -> list[Match]:
     """Megatron's g (collective forward, identity backward) applied to a matmul's result, and
     f (identity forward, psum backward) feeding a matmul: listed, with how to write them."""
@@ -159,7 +186,8 @@ def custom_vjp_near_misses(g: Graph, i) -> list[Match]:
     body = getattr(body, "jaxpr", body)
     if body is None:
         return []
-    name = e.params.get("name", "custom_vjp")
+    info = getattr(body, "debug_info", None)
+    name = e.params.get("name") or getattr(info, "func_name", None) or "custom_vjp"
     found = []
     colls = [b for b in body.eqns if b.primitive.name in (*SUM_PRIMS, "reduce_scatter")]
     for a in e.invars:
