@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from overlap_util import TOL, assert_tree_close, inputs, loss_of, mesh_1d, prims
 
+import jaxoverlap
 from jaxoverlap.overlap import explain, overlap
 
 
@@ -135,3 +136,23 @@ def test_explain_summary_and_verbose_false_folds_fsdp_gathers(capsys):
         assert c.path == "fused" or c.path.startswith("reference: "), c.path
     explain(f, *args)
     assert "skipped   all_gather_matmul" in capsys.readouterr().out
+
+
+def test_explain_path_comes_from_the_fused_module(monkeypatch):
+    """With the native extension reported available, the path is what `fused` decides for the
+    op's own operands: a reduce-scatter over a middle dimension runs the reference path."""
+    from jaxoverlap import runtime
+
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
+    mesh = mesh_1d()
+    x, w = inputs(mesh, [((2, 64, 256), P(None, None, "tp")), ((256, 256), P("tp", None))],
+                  jnp.bfloat16)  # fmt: skip
+    specs = (P(None, None, "tp"), P("tp", None))
+    f = jax.shard_map(
+        lambda x, w: _rs(x @ w, 1), mesh=mesh, in_specs=specs, out_specs=P(None, "tp")
+    )
+    (c,) = explain(f, x, w)
+    assert c.rewritten, c
+    assert c.path == "reference: the fused kernel scatters dimension 0 only (rows of x[..., K])"
+    (c,) = explain(overlap(f, config=jaxoverlap.Config(backend="xla")), x, w)
+    assert c.path == "reference: backend='xla'", c.path
