@@ -32,8 +32,7 @@ def _fns(mesh, x_ndim):
     return sm(op), sm(ref), x_spec
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("x_shape", [(8, 32), (2, 6, 32)])
+@pytest.mark.parametrize("x_shape,dtype", [((8, 32), jnp.float32), ((2, 6, 32), jnp.bfloat16)])
 def test_values_and_gradients(x_shape, dtype):
     mesh = make_mesh("tp4")
     op, ref, x_spec = _fns(mesh, len(x_shape))
