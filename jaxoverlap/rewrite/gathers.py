@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxoverlap.rewrite import views
 from jaxoverlap.rewrite.patterns import (
+    GATHER_HINT,
     MAX_BETWEEN,
     SUM_PRIMS,
     Graph,
@@ -28,7 +29,6 @@ from jaxoverlap.rewrite.patterns import (
     collective_desc,
     collective_problem,
     group_size,
-    hint,
     short,
     walkable,
     where,
@@ -88,7 +88,7 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     if m.reason is None and blocker is not None:
         m.kind = "near miss"
         m.reason = (f"a {blocker.primitive.name} ({where(blocker)}) between the all_gather and "
-                    f"the matmul: {hint(blocker)} or before the all_gather")  # fmt: skip
+                    f"the matmul: {GATHER_HINT}")  # fmt: skip
     if m.reason is not None:
         return m
     vs = [view for view, _ in results]
@@ -168,8 +168,7 @@ def _near_miss_downstream(g: Graph, i, v, depth) -> Match | None:
                         f"-> {f.primitive.name} ... -> @ {short(e.invars[1])}",
                         location=where(e), kind="near miss",
                         reason=f"a {f.primitive.name} ({where(f)}) between the all_gather and "
-                        f"the matmul: {hint(f)} or before the all_gather (a row-wise op such as "
-                        "a norm commutes with a gather of rows)",
+                        f"the matmul: {GATHER_HINT}",
                     )  # fmt: skip
                 if j not in seen and walkable(e):
                     seen.add(j)

@@ -34,14 +34,23 @@ SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma
 COLLECTIVES = frozenset({*SUM_PRIMS, "reduce_scatter", "all_gather", "all_to_all", "ppermute"})
 MAX_BETWEEN = 4  # equations searched between a matmul and its collective
 
-# How to move an equation found between the pair, for explain's near-miss reasons.
+# How to move an equation found between a matmul and its reduction, for near-miss reasons.
 HINTS = {
     "mul": "scale after the collective instead (a scale by a replicated value commutes with it)",
     "div": "divide after the collective instead (by a replicated value it commutes with it)",
     "neg": "negate after the collective",
     "pvary": "the matmul's operands are both replicated; make one of them sharded",
 }
-NONLINEAR = "it does not commute with the collective; apply it after the collective"
+LINEAR = frozenset({"reduce_sum", "slice", "squeeze", "broadcast_in_dim", "expand_dims", "pad",
+                    "dynamic_slice", "rev", "select_n", "concatenate"})  # fmt: skip
+OTHER = (
+    "the ops compute the collective of x @ w itself, and this does not commute with the sum; "
+    "apply it after the collective"
+)
+GATHER_HINT = (
+    "apply it before the all_gather, on the local rows: an elementwise op, or a row-wise one "
+    "such as a norm for a gather of rows, commutes with the gather (and costs 1/n there)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +126,14 @@ def where(eqn) -> str:
 
 
 def hint(eqn) -> str:
-    return HINTS.get(eqn.primitive.name, NONLINEAR)
+    """How to move ``eqn`` out from between a matmul and its reduce-scatter/psum."""
+    name = eqn.primitive.name
+    if name in LINEAR:
+        return (
+            f"the ops have no form with a {name} between the matmul and the collective; apply "
+            "it after the collective (being linear, after a psum it computes the same)"
+        )
+    return HINTS.get(name, OTHER)
 
 
 def group_size(eqn) -> int:
