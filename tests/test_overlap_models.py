@@ -56,6 +56,39 @@ def test_preferred_element_type_equal_to_the_operands_is_rewritten():
     check_rewrite(f, args, ["matmul_reduce_scatter"])
 
 
+def test_f32_result_cast_straight_back_is_the_ops_rounding():
+    """``einsum(..., preferred_element_type=f32).astype(bf16)`` (f32 accumulation, rounded
+    once) is what the ops compute; an f32 result that is reduced in f32 is not (skipped)."""
+    f32 = jnp.float32
+    specs = (P("tp", None), P(None, "tp"), P(None, "tp"), P("tp", None))
+    shapes = [(S * 2, D), (D, F), (D, F), (F, D)]
+    args = inputs(mesh_1d(), list(zip(shapes, specs, strict=True)), jnp.bfloat16)
+
+    def mm(a, b):
+        return jnp.matmul(a, b, preferred_element_type=f32).astype(a.dtype)
+
+    def mlp(x, wg, wu, wd):
+        g = _ag(x)
+        h = jax.nn.silu(mm(g, wg)) * mm(g, wu)
+        return _rs(mm(h, wd)), h
+
+    def body(x, wg, wu, wd):
+        y, h = mlp(x, wg, wu, wd)
+        return y, _rs(jnp.matmul(h, wd, preferred_element_type=f32))
+
+    f = _sm(body, specs, (P("tp", None), P("tp", None)))
+    new = overlap(f)
+    assert_tree_close(jax.jit(new)(*args), jax.jit(f)(*args), TOL[jnp.bfloat16])
+    after = prims(jax.make_jaxpr(new)(*args))
+    assert after["all_gather_matmul"] == after["matmul_reduce_scatter"] == 1, after
+    found = explain(f, *args)
+    assert [c.rewritten for c in found] == [True, True, False], found
+    assert "is the op's rounding" in found[0].note and "is the op's rounding" in found[1].note
+    assert "preferred_element_type=float32" in found[2].reason
+    rewritable = _sm(lambda *a: mlp(*a)[0], specs, P("tp", None))
+    check_rewrite(rewritable, args, ["all_gather_matmul", "matmul_reduce_scatter"], jnp.bfloat16)
+
+
 # ----------------------------------------------------------------------------- N-D weights
 
 

@@ -23,12 +23,14 @@ from jaxoverlap.rewrite import views
 from jaxoverlap.rewrite.patterns import (
     GATHER_HINT,
     MAX_BETWEEN,
+    ROUNDED,
     SUM_PRIMS,
     Graph,
     Match,
     collective_desc,
     collective_problem,
     group_size,
+    rounds_back,
     short,
     walkable,
     where,
@@ -76,7 +78,10 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         m.kind = "out of scope"
         m.reason = "the gathered value is the matmul's weight operand (FSDP; the ops gather x)"
         return m
-    results = [views.dot_view(g.eqns[j], pos[j]) for j in as_x]
+    casts = [rounds_back(g, j) for j in as_x]  # a wider result cast straight back: the op's
+    results = [views.dot_view(g.eqns[j], pos[j], c is not None) for j, c in zip(as_x, casts)]
+    m.outs = tuple(g.eqns[c if c is not None else j].outvars[0] for j, c in zip(as_x, casts))
+    m.drop |= {c for c in casts if c is not None}
     for (view, _), w in zip(results, ws, strict=True):
         if view is not None and view.describe(w.aval) == "w.T":
             m.detail = m.detail.replace(f"@ {short(w)}", f"@ {short(w)}.T", 1)
@@ -128,6 +133,8 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     for view, w in zip(vs, ws, strict=True):
         if view.reshaped:
             notes.append(f"matmul as x [..., K] @ {view.describe(w.aval)}")
+    if any(c is not None for c in casts):
+        notes.append(ROUNDED)
     if len(as_x) > 1:
         notes.append(f"{len(as_x)} matmuls of one gathered value: one op, weights concatenated "
                      "along N")  # fmt: skip

@@ -227,6 +227,22 @@ def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
     return matches
 
 
+ROUNDED = "the matmul's wider preferred_element_type, cast straight back, is the op's rounding"
+
+
+def rounds_back(g: Graph, j) -> int | None:
+    """The index of the cast that takes dot ``j``'s wider ``preferred_element_type`` result
+    straight back to the operand dtype (its only use), else None."""
+    dot, (out,) = g.eqns[j], g.eqns[j].outvars
+    xdt = dot.invars[0].aval.dtype
+    users = g.users.get(out, [])
+    if out.aval.dtype == xdt or len(users) != 1 or g.uses[out] != 1:
+        return None
+    e = g.eqns[users[0]]
+    ok = e.primitive.name == "convert_element_type" and e.outvars[0].aval.dtype == xdt
+    return users[0] if ok else None
+
+
 def _path_back(g: Graph, v, depth):
     """``[(dot index, None), (index, operand on the path), ...]`` from a ``dot_general`` to the
     producer of ``v``, through single-use walkable equations, or None."""
@@ -263,7 +279,8 @@ def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
         detail=f"{short(x)} @ {short(w)}{shown} -> {collective_desc(coll)}",
         location=where(coll),
     )  # fmt: skip
-    view, m.reason = views.dot_view(dot, x_pos)
+    rounded = bool(between) and between[0][0] == rounds_back(g, j)
+    view, m.reason = views.dot_view(dot, x_pos, rounded)
     if view is not None and view.describe(w.aval) == "w.T":
         m.detail = m.detail.replace(f"@ {short(w)}", f"@ {short(w)}.T", 1)
     m.reason = m.reason or collective_problem(coll, manual_axes)
@@ -274,7 +291,7 @@ def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
     n = group_size(coll) if rs else 1
     d = coll.params["scatter_dimension"] if rs else None
     try:
-        steps, extras, notes, d = _move_back(g, between, d, n, axes)
+        steps, extras, notes, d = _move_back(g, between[1:] if rounded else between, d, n, axes)
     except NearMiss as e:
         m.kind, m.reason = "near miss", str(e)
         return m
@@ -292,6 +309,8 @@ def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
     local_unswapped = views.local(unswapped, du, n)
     if view.reshaped:
         notes.insert(0, f"matmul as x [..., K] @ {view.describe(w.aval)}")
+    if rounded:
+        notes.insert(0, ROUNDED)
 
     def build(op_fn, x, w, *extra):
         y = view.out_local(op_fn(view.x2(x), view.w2(w), **kwargs), local_unswapped)

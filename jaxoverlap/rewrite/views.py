@@ -104,9 +104,12 @@ def x_position(eqn) -> int:
     return 1 if not trailing_contraction(eqn, 0) and trailing_contraction(eqn, 1) else 0
 
 
-def dot_view(eqn, x_pos: int | None = None) -> tuple[DotView | None, str | None]:
+def dot_view(
+    eqn, x_pos: int | None = None, rounded: bool = False
+) -> tuple[DotView | None, str | None]:
     """``(view, None)`` when the ``dot_general`` is an op's matmul with operand ``x_pos`` (default
-    `x_position`) as x, else ``(None, why not)``."""
+    `x_position`) as x, else ``(None, why not)``. ``rounded``: its result is cast straight back
+    to the operand dtype, so a wider ``preferred_element_type`` is what the ops compute."""
     x_pos = x_position(eqn) if x_pos is None else x_pos
     xa, wa = eqn.invars[x_pos].aval, eqn.invars[1 - x_pos].aval
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -131,7 +134,7 @@ def dot_view(eqn, x_pos: int | None = None) -> tuple[DotView | None, str | None]
     order = tuple(pairs[d] for d in range(xa.ndim - c, xa.ndim))
     free = tuple(d for d in range(wa.ndim) if d not in rc)
     perm = order + free
-    problem = dtype_problem(eqn)
+    problem = dtype_problem(eqn, rounded)
     if problem:
         return None, problem
     view = DotView(
@@ -144,8 +147,12 @@ def dot_view(eqn, x_pos: int | None = None) -> tuple[DotView | None, str | None]
     return view, None
 
 
-def dtype_problem(eqn) -> str | None:
-    """Why the matmul's dtypes, precision or sharding differ from what the ops compute."""
+def dtype_problem(eqn, rounded: bool = False) -> str | None:
+    """Why the matmul's dtypes, precision or sharding differ from what the ops compute.
+
+    ``rounded``: the result is cast back to the operand dtype right away. A wider
+    ``preferred_element_type`` then only says "accumulate in it and round once", which is what
+    the ops do (f32 accumulation, a result in the operand dtype)."""
     xa, wa = (v.aval for v in eqn.invars)
     if xa.dtype != wa.dtype:
         return f"the operands have different dtypes ({xa.dtype} and {wa.dtype})"
@@ -157,12 +164,13 @@ def dtype_problem(eqn) -> str | None:
             "which may differ); drop precision= to let overlap rewrite it"
         )
     pet = eqn.params.get("preferred_element_type")
-    if pet is not None and np.dtype(pet) != xa.dtype:
+    if pet is not None and np.dtype(pet) != xa.dtype and not rounded:
         return (
             f"preferred_element_type={np.dtype(pet)} with {xa.dtype} operands: the ops return "
             f"{xa.dtype} and communicate {xa.dtype} partials, so an {np.dtype(pet)} result would "
-            "lose the precision it asks for; drop preferred_element_type (the ops accumulate in "
-            "f32 and round once) and cast after the collective if that is acceptable"
+            "lose the precision it asks for; cast the matmul's result back to "
+            f"{xa.dtype} before the collective (or drop preferred_element_type: the ops "
+            "accumulate in f32 and round once) if that is acceptable"
         )
     sharding = eqn.params.get("out_sharding")
     if sharding is not None and any(e is not None for e in getattr(sharding, "spec", (0,))):
