@@ -10,6 +10,7 @@ them (and ``lax.scan``, ``jax.checkpoint``, nested calls) around or inside ``jax
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections import Counter
 
@@ -107,10 +108,14 @@ def explain(fn, *args, verbose: bool = True, **kwargs) -> list[Candidate]:
     return candidates
 
 
+_SOURCE = re.compile(r" \([^()]*:\d+(:\d+)?( \([^()]*\))?\)")  # " (file.py:12:3 (fn))"
+
+
 def summary(candidates) -> list[str]:
-    """One line per GPU path of the rewrites and per reason of the skips, most frequent first."""
+    """One line per GPU path of the rewrites and per reason of the skips (source lines left
+    out, so that one reason at many places is one line), most frequent first."""
     paths = Counter(c.path for c in candidates if c.rewritten)
-    skips = Counter((c.kind, c.reason) for c in candidates if not c.rewritten)
+    skips = Counter((c.kind, _SOURCE.sub("", c.reason)) for c in candidates if not c.rewritten)
     out = ["summary:"] if candidates else []
     out += [f"  {k:3d} rewritten, GPU path {p}" for p, k in paths.most_common()]
     out += [f"  {k:3d} {kind if kind != 'candidate' else 'skipped'}: {why}"

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from overlap_util import TOL, assert_tree_close, inputs, loss_of, mesh_1d, prims
 
 import jaxoverlap
-from jaxoverlap.overlap import explain, overlap
+from jaxoverlap.overlap import explain, overlap, summary
 
 
 def _sm(body, in_specs, out_specs):
@@ -36,6 +36,8 @@ ROW = (P(None, "tp"), P("tp", None))
 COL = (P("tp", None), P(None, "tp"))
 NEAR = {
     "tanh": (lambda x, w: _rs(jnp.tanh(x @ w)), ROW, P("tp"), "a tanh", "does not commute"),
+    "relu": (lambda x, w: lax.psum(jax.nn.relu(x @ w), "tp"), ROW, P(), "custom_jvp_call (relu)",
+             "apply it after"),
     "scale": (lambda x, w: _rs((x @ w) * x[:, :1]), ROW, P("tp"), "a mul", "scale after"),
     "row_bias": (
         lambda x, w: _rs(x @ w + x[:, 0][:, None]), ROW, P("tp"), "a add",
@@ -61,6 +63,8 @@ def test_near_miss_is_listed_with_what_is_between(case):
     assert (c.kind, c.rewritten) == ("near miss", False), c
     assert what in c.reason and how in c.reason, c.reason
     assert prims(jax.make_jaxpr(overlap(f))(x, w)) == prims(jax.make_jaxpr(f)(x, w))
+    (line,) = summary([c, c])[1:]  # one line per reason, without the source line
+    assert line.startswith("    2 near miss: ") and ".py:" not in line, line
     assert_tree_close(jax.jit(overlap(f))(x, w), jax.jit(f)(x, w), TOL[jnp.float32])
 
 

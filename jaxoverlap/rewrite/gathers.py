@@ -29,6 +29,7 @@ from jaxoverlap.rewrite.patterns import (
     Match,
     collective_desc,
     collective_problem,
+    eqn_name,
     group_size,
     rounds_back,
     short,
@@ -92,7 +93,7 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         m.reason = "the gathered value is also used elsewhere (the ops do not expose it)"
     if m.reason is None and blocker is not None:
         m.kind = "near miss"
-        m.reason = (f"a {blocker.primitive.name} ({where(blocker)}) between the all_gather and "
+        m.reason = (f"a {eqn_name(blocker)} ({where(blocker)}) between the all_gather and "
                     f"the matmul: {GATHER_HINT}")  # fmt: skip
     if m.reason is not None:
         return m
@@ -174,7 +175,7 @@ def _near_miss_downstream(g: Graph, i, v, depth) -> Match | None:
                         detail=f"{collective_desc(g.eqns[i])} of {short(g.eqns[i].invars[0])} "
                         f"-> {f.primitive.name} ... -> @ {short(e.invars[1])}",
                         location=where(e), kind="near miss",
-                        reason=f"a {f.primitive.name} ({where(f)}) between the all_gather and "
+                        reason=f"a {eqn_name(f)} ({where(f)}) between the all_gather and "
                         f"the matmul: {GATHER_HINT}",
                     )  # fmt: skip
                 if j not in seen and walkable(e):

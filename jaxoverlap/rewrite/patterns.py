@@ -190,10 +190,21 @@ class Graph:
 
 
 def walkable(eqn) -> bool:
-    """An equation the search may look through: one result, no sub-jaxprs, no collective."""
+    """An equation the search may look through (to list near misses): one result, no
+    collective, no sub-jaxprs except a custom_jvp function's (``jax.nn.relu`` is one)."""
     name = eqn.primitive.name
     nested = any(isinstance(v, (core.Jaxpr, ClosedJaxpr)) for v in eqn.params.values())
-    return len(eqn.outvars) == 1 and name not in COLLECTIVES | {"dot_general"} and not nested
+    if len(eqn.outvars) != 1 or name in COLLECTIVES | {"dot_general"}:
+        return False
+    return not nested or name == "custom_jvp_call"
+
+
+def eqn_name(eqn) -> str:
+    """The primitive, with the function's name for a custom_jvp call."""
+    name = eqn.primitive.name
+    body = eqn.params.get("call_jaxpr")
+    func = getattr(getattr(body, "debug_info", None), "func_name", None)
+    return f"{name} ({func})" if name.startswith("custom_") and func else name
 
 
 def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
@@ -328,16 +339,15 @@ def _move_back(g: Graph, between, d, n, axes):
     Returns ``(steps, extra inputs, notes, d at the matmul's result)``, ``d`` the scattered
     dimension (None for psum), or raises `NearMiss`. A cast, transpose or reshape moves across
     unchanged (the sum then runs in the matmul's dtype: within the tolerance of the narrower
-    dtype). A bias ``c`` added
-    on every rank adds ``psum(c)`` after the collective (``n * c`` for a replicated bias): it
-    must be constant along the scattered dimension.
+    dtype). A bias ``c`` added on every rank adds ``psum(c)`` after the collective (``n * c``
+    for a replicated bias): it must be constant along the scattered dimension.
     """
     steps, extras, notes = [], [], []
     for b, src in reversed(between):
         e = g.eqns[b]
         name, (out,) = e.primitive.name, e.outvars
         after = views.local(out.aval.shape, d, n)
-        why = f"a {name} ({where(e)}) between the matmul and the collective: "
+        why = f"a {eqn_name(e)} ({where(e)}) between the matmul and the collective: "
         if name == "convert_element_type" and jnp.issubdtype(out.aval.dtype, jnp.floating):
             dt = out.aval.dtype
             steps.append(lambda y, _, dt=dt: lax.convert_element_type(y, dt))
