@@ -241,3 +241,18 @@ def test_sequence_parallel_transformer_layer_as_model_authors_write_it():
     args = inputs(mesh_1d(), list(zip(shapes, specs, strict=True)), jnp.bfloat16)
     found = _rewritten(f, args)
     assert [c.op for c in found] == ["all_gather_matmul", "matmul_reduce_scatter"] * 2, found
+
+
+def test_parallel_block_sum_of_two_matmuls_is_one_op():
+    """GPT-J / PaLM parallel block: ``psum(attn @ wo + mlp @ w2)`` is one matmul_all_reduce of
+    ``[attn, mlp] @ [wo; w2]`` (concatenated along K); a reduce-scatter likewise."""
+    specs = (P(None, "tp"), P(None, "tp"), P("tp", None), P("tp", None))
+    shapes = [(S * 2, D), (S * 2, F), (D, D), (F, D)]
+    args = inputs(mesh_1d(), list(zip(shapes, specs, strict=True)))
+
+    def body(a, b, wo, w2):
+        return lax.psum(a @ wo + b @ w2, "tp"), _rs(jnp.tanh(a) @ wo + jnp.tanh(b) @ w2)
+
+    f = _sm(body, specs, (P(), P("tp", None)))
+    check_rewrite(f, args, ["matmul_all_reduce", "matmul_reduce_scatter"])
+    assert all("concatenated along K" in c.note for c in _rewritten(f, args))

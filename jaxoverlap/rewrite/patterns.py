@@ -301,8 +301,14 @@ def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
         return m
     n = group_size(coll) if rs else 1
     d = coll.params["scatter_dimension"] if rs else None
+    rest = between[1:] if rounded else between
+    pair = None if rounded else _added_matmul(g, rest, j, view)
+    if pair is not None:  # x1 @ w1 + x2 @ w2 (a parallel block): one op over [x1, x2] along K
+        k2, view2 = pair
+        x2, w2 = g.eqns[k2].invars[int(view2.swapped)], g.eqns[k2].invars[1 - int(view2.swapped)]
+        m.inputs, m.drop, rest = (x, w, x2, w2), m.drop | {k2}, rest[1:]
     try:
-        steps, extras, notes, d = _move_back(g, between[1:] if rounded else between, d, n, axes)
+        steps, extras, notes, d = _move_back(g, rest, d, n, axes)
     except NearMiss as e:
         m.kind, m.reason = "near miss", str(e)
         return m
@@ -323,14 +329,40 @@ def _match_reduction(g: Graph, i, manual_axes) -> Match | None:
     if rounded:
         notes.insert(0, ROUNDED)
 
-    def build(op_fn, x, w, *extra):
-        y = view.out_local(op_fn(view.x2(x), view.w2(w), **kwargs), local_unswapped)
+    if pair is not None:
+        notes.insert(0, "the sum of two matmuls is one op over x and w concatenated along K")
+    npair = len(m.inputs)
+
+    def build(op_fn, *args):
+        (x, w, *xw2), extra = args[:npair], args[npair:]
+        x, w = view.x2(x), view.w2(w)
+        if xw2:
+            x = jnp.concatenate([x, pair[1].x2(xw2[0])], axis=-1)
+            w = jnp.concatenate([w, pair[1].w2(xw2[1])], axis=0)
+        y = view.out_local(op_fn(x, w, **kwargs), local_unswapped)
         for step in steps:
             y = step(y, extra)
         return [y]
 
-    m.inputs, m.build, m.note = (x, w, *extras), build, "; ".join(notes)
+    m.inputs, m.build, m.note = (*m.inputs, *extras), build, "; ".join(notes)
     return m
+
+
+def _added_matmul(g: Graph, between, j, view):
+    """``(index, view)`` of a second matmul whose result the first equation of ``between`` adds
+    to dot ``j``'s (same result layout, single use), else None."""
+    if not between or g.eqns[between[0][0]].primitive.name != "add":
+        return None
+    e = g.eqns[between[0][0]]
+    other = e.invars[1] if e.invars[0] is between[0][1] else e.invars[0]
+    k = g.made_by(other, "dot_general")
+    if k is None or k == j or g.uses[other] != 1:
+        return None
+    view2, why = views.dot_view(g.eqns[k])
+    same = view2 is not None and (view2.lead, view2.n_shape, view2.swapped) == (
+        view.lead, view.n_shape, view.swapped)  # fmt: skip
+    dtypes = {a.aval.dtype for a in (*g.eqns[j].invars, *g.eqns[k].invars)}
+    return (k, view2) if same and not why and len(dtypes) == 1 else None
 
 
 def _move_back(g: Graph, between, d, n, axes):
