@@ -186,7 +186,8 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
                 f"{old.str_short()} (a different varying-axes type); left as written"
             )
     # (A collective's named-axis effect is one the replaced collective had too.)
-    effects = {f for e in tiny.eqns for f in e.effects if not isinstance(f, core.NamedAxisEffect)}
+    named = getattr(core, "NamedAxisEffect", ())
+    effects = {f for e in tiny.eqns for f in e.effects if not isinstance(f, named)}
     if consts or tiny.constvars or effects:
         raise _Rejected(f"jaxoverlap.{m.op} traced to equations with constants or effects")
     env = dict(zip(tiny.invars, m.inputs, strict=True))
