@@ -10,7 +10,9 @@ them (and ``lax.scan``, ``jax.checkpoint``, nested calls) around or inside ``jax
 from __future__ import annotations
 
 import functools
+import re
 import sys
+from collections import Counter
 
 import jax
 from jax._src import core
@@ -76,26 +78,49 @@ def overlap(fn=None, *, config: Config | None = None):
     return overlapped
 
 
-def explain(fn, *args, **kwargs) -> list[Candidate]:
+def explain(fn, *args, verbose: bool = True, **kwargs) -> list[Candidate]:
     """Print and return one `Candidate` per matmul/collective pair `overlap` finds in ``fn``.
 
     Traces ``fn(*args, **kwargs)`` (nothing is computed; arguments may be arrays or
     ``jax.ShapeDtypeStruct``) and reports, for each pair, the op that would replace it and whether
-    it is replaced, or why not. ``fn`` may be a function returned by `overlap`; its config is used.
-    Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
+    it is replaced, or why not; for each rewrite, what it moved or reshaped and the path the op
+    takes on this machine's GPUs (fused, or the reference path and why); near misses (an
+    equation between the pair) with that equation and how to move it. It ends with one summary
+    line per path and per reason. ``verbose=False`` folds the out-of-scope skips (e.g. FSDP
+    weight gathers) into one line. ``fn`` may be a function returned by `overlap`; its config is
+    used. Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
     """
     fn, config = getattr(fn, "_jaxoverlap_wrapped", (fn, None))
     closed, _, _ = _trace(fn, args, kwargs)
     _, candidates = rewrite_closed_jaxpr(closed, config)
     name = getattr(fn, "__name__", repr(fn))
-    lines = [str(c) for c in candidates] or [
+    shown = [c for c in candidates if verbose or c.kind != "out of scope"]
+    lines = [str(c) for c in shown] or [
         "no candidates: no matmul feeds a psum_scatter or psum, and no all_gather feeds a matmul, "
         "inside jax.shard_map"
     ]
+    if len(shown) < len(candidates):
+        lines.append(f"({len(candidates) - len(shown)} out-of-scope skips folded; verbose=True "
+                     "lists them)")  # fmt: skip
     rewritten = sum(c.rewritten for c in candidates)
     print(f"jaxoverlap.explain({name}): {rewritten} of {len(candidates)} candidates rewritten")
-    print("\n".join(lines), file=sys.stdout)
+    print("\n".join([*lines, *summary(candidates)]), file=sys.stdout)
     return candidates
+
+
+_SOURCE = re.compile(r" \([^()]*:\d+(:\d+)?( \([^()]*\))?\)")  # " (file.py:12:3 (fn))"
+
+
+def summary(candidates) -> list[str]:
+    """One line per GPU path of the rewrites and per reason of the skips (source lines left
+    out, so that one reason at many places is one line), most frequent first."""
+    paths = Counter(c.path for c in candidates if c.rewritten)
+    skips = Counter((c.kind, _SOURCE.sub("", c.reason)) for c in candidates if not c.rewritten)
+    out = ["summary:"] if candidates else []
+    out += [f"  {k:3d} rewritten, GPU path {p}" for p, k in paths.most_common()]
+    out += [f"  {k:3d} {kind if kind != 'candidate' else 'skipped'}: {why}"
+            for (kind, why), k in skips.most_common()]  # fmt: skip
+    return out
 
 
 def _trace(fn, args, kwargs):

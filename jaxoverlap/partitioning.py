@@ -11,6 +11,9 @@ the result and picks, per device:
   with a sequence-sharded input)
 * otherwise a local matmul (column-parallel ``w [K, N/t]``, data-parallel ``x``, replicated)
 
+On meshes with Explicit axes the operands' types carry their shardings: `plan` runs at trace time
+on them and ``out_sharding``, and the op runs in a ``jax.shard_map`` (`_explicit_matmul`).
+
 Caveats (also in docs/automatic-overlap.md): custom_partitioning is experimental in JAX; the
 compiled program embeds a Python callback, which defeats the persistent compilation cache; Shardy
 cannot infer that a reduce-scatter changes the result's sharding, so constrain the result
@@ -208,19 +211,24 @@ def _matmul_bwd(config, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x, w, *, config: Config | None = None):
+def matmul(x, w, *, out_sharding=None, config: Config | None = None):
     """``x @ w`` for global-view ``jit`` code, partitioned onto the jaxoverlap ops.
 
     Args:
       x: ``[..., K]`` global array; leading dims may be sharded (data/sequence parallel), and K
         (row-parallel).
       w: ``[K, N]`` global weight, sharded on N (column-parallel) or K (row-parallel).
+      out_sharding: the result's sharding, a ``PartitionSpec`` or ``NamedSharding`` (as for
+        ``jnp.matmul(..., out_sharding=)``); ``None``: x's leading dims and w's N as they are.
+        A dim sharded over the K axes asks for a reduce-scatter.
       config: a `jaxoverlap.Config` for the ops it picks (``None``: defaults).
 
     Returns:
-      ``x @ w`` (``[..., N]``, ``x.dtype``). For a reduce-scatter result, constrain its sharding
-      (the result dimension sharded over the K axes), e.g. with
-      ``jax.lax.with_sharding_constraint``; otherwise the partitioner is asked for an all-reduce.
+      ``x @ w`` (``[..., N]``, ``x.dtype``). On meshes with Explicit axes (``jax.make_mesh``'s
+      default in jax 0.12) the operands' types say how they are sharded, and the op is chosen
+      at trace time (`plan`) and run in a ``jax.shard_map``. On Auto axes it is chosen when XLA
+      partitions the program (custom_partitioning); ``out_sharding`` is then a sharding
+      constraint on the result (without it, a row-parallel result is an all-reduce).
     """
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"jaxoverlap.matmul: config must be a jaxoverlap.Config, got {config!r}.")
@@ -234,13 +242,51 @@ def matmul(x, w, *, config: Config | None = None):
             f"jaxoverlap.matmul: x has dtype {jnp.result_type(x)} but w has "
             f"{jnp.result_type(w)}; cast w with w.astype(x.dtype)."
         )
+    out_spec = getattr(out_sharding, "spec", out_sharding)
+    mesh = _explicit_mesh(x, w)
+    if mesh is not None:
+        return _explicit_matmul(mesh, x, w, out_spec, config)
+    y = _matmul(x, w, config)
+    return y if out_spec is None else lax.with_sharding_constraint(y, out_spec)
+
+
+def _explicit_mesh(x, w):
+    """The abstract mesh when an operand's type carries an Explicit sharding, else None."""
+    meshes = []
     for name, a in (("x", x), ("w", w)):
-        spec = getattr(jax.typeof(a).sharding, "spec", ())
-        if any(e is not None for e in spec):
-            raise ValueError(
-                f"jaxoverlap.matmul: {name} has an Explicit sharding in its type ({spec}); "
-                "jaxoverlap.matmul relies on sharding propagation (mesh axes of type "
-                "AxisType.Auto). With Explicit axes, call the jaxoverlap ops inside jax.shard_map "
-                "(or use jaxoverlap.overlap)."
-            )
-    return _matmul(x, w, config)
+        sharding = jax.typeof(a).sharding
+        if any(e is not None for e in getattr(sharding, "spec", ())):
+            meshes.append((name, sharding.mesh))
+    if not meshes:
+        return None
+    (name, mesh), *others = meshes
+    if any(m != mesh for _, m in others):
+        raise ValueError("jaxoverlap.matmul: x and w are sharded over different meshes.")
+    if not all(t == AxisType.Explicit for t in mesh.axis_types):
+        raise ValueError(
+            f"jaxoverlap.matmul: {name} is sharded over a mesh that mixes Explicit and other "
+            f"axis types ({dict(zip(mesh.axis_names, mesh.axis_types, strict=True))}); use a "
+            "mesh whose axes are all Explicit or all Auto, or call the jaxoverlap ops inside "
+            "jax.shard_map."
+        )
+    return mesh
+
+
+def _explicit_matmul(mesh, x, w, out_spec, config):
+    """Explicit axes: pick the op from the operands' types and run it in a shard_map."""
+    x_spec, w_spec = (jax.typeof(a).sharding.spec for a in (x, w))
+    xn, wn = _norm(x_spec, x.ndim), _norm(w_spec, 2)
+    if out_spec is None:  # what jnp.matmul gives: x's leading dims, w's N (K reduced away)
+        k = set(xn[-1] or wn[0])
+        out_spec = (*(tuple(a for a in d if a not in k) for d in xn[:-1]),
+                    tuple(a for a in wn[1] if a not in k))  # fmt: skip
+    p = plan(x.shape, w.shape, x_spec, w_spec, out_spec, dict(mesh.shape))
+    spec = lambda s: PartitionSpec(*(e or None for e in s))  # noqa: E731
+    body = functools.partial(_apply, p, config=config)
+    with use_abstract_mesh(mesh):  # (PartitionSpecs below refer to the operands' mesh)
+        x = jax.sharding.reshard(x, spec(p.x_spec))
+        w = jax.sharding.reshard(w, spec(p.w_spec))
+        y = jax.shard_map(body, mesh=mesh, in_specs=(spec(p.x_spec), spec(p.w_spec)),
+                          out_specs=spec(p.out_spec))(x, w)  # fmt: skip
+        want = spec(_norm(out_spec, y.ndim))
+        return y if want == spec(p.out_spec) else jax.sharding.reshard(y, want)

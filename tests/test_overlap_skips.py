@@ -56,10 +56,6 @@ NEGATIVE = {
         lambda x, w: lax.psum(x @ w, "tp", axis_index_groups=[[0, 1], [2, 3]]),
         ROW, P("tp", None), "axis_index_groups",
     ),
-    "weight_rank_3": (
-        lambda x, w: _rs(jnp.einsum("mk,knp->mnp", x, w.reshape(w.shape[0], 4, 2))),
-        ROW, P("tp", None, None), "rank 3",
-    ),
     "x_contracted_on_first_dim": (
         lambda x, w: _rs(jnp.einsum("km,kn->mn", x.T, w)),
         ROW, P("tp", None), "not on its last",
@@ -73,10 +69,6 @@ NEGATIVE = {
     "intermediate_used_elsewhere": (
         lambda x, w: (lambda y: (_rs(y), y))(x @ w),
         ROW, (P("tp", None), P("tp", None)), "also used elsewhere",
-    ),
-    "gathered_along_k": (
-        lambda x, w: lax.all_gather(x, "tp", axis=1, tiled=True) @ w,
-        (P(None, "tp"), P()), P("tp", None), "along K",
     ),
     "gathered_used_elsewhere": (
         lambda x, w: (lambda g: (g @ w, g))(lax.all_gather(x, "tp", tiled=True)),

@@ -199,11 +199,18 @@ def test_validation(args, kwargs, error, match):
         matmul(*args, **kwargs)
 
 
-def test_explicit_axes_are_refused_with_advice():
+def test_explicit_axes_need_no_mesh_context_and_mixed_axis_types_are_refused():
+    """Explicit meshes are tested in test_partitioning_explicit.py; here: no ``jax.set_mesh``
+    needed, and a mesh mixing Explicit and Auto axes is refused with advice."""
     mesh = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
     x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("tp")))
-    with pytest.raises(ValueError, match="shard_map"):
+    np.testing.assert_allclose(jax.jit(matmul)(x, w), np.full((16, 8), 32.0), **TOL)
+    mixed = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto),
+                          devices=jax.devices()[:4])  # fmt: skip
+    x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mixed, P("dp", None)))
+    w = jax.device_put(jnp.ones((32, 8)), NamedSharding(mixed, P()))
+    with pytest.raises(ValueError, match="mixes Explicit and other axis types.*shard_map"):
         jax.jit(matmul)(x, w)
 
 

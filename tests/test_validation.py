@@ -80,14 +80,15 @@ def test_mixed_dtypes():
         _trace(f, (8, 32), (32, 8), K_SHARDED, dtype=jnp.bfloat16, w_dtype=jnp.float32)
 
 
-def test_gather_dimension_must_not_be_contracted():
+def test_gather_along_k_needs_the_whole_k():
+    """gather_dimension = the last dim of x (x sharded over K) takes w with the whole K."""
     f = lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=-1)  # noqa: E731
-    with pytest.raises(
-        ValueError,
-        match=r"gather_dimension=-1 is out of range.*valid values are"
-        r" \[0\]",
-    ):
-        _trace(f, (8, 8), (8, 32), (P("tp", None), P(None, "tp")))
+    with pytest.raises(ValueError, match=r"x has shape \(8, 2\) \(K=2\) but w has shape \(2, 8\)"
+                       r".*x times the group size 4 \(x is gathered along K\)"):  # fmt: skip
+        _trace(f, (8, 8), (8, 8), K_SHARDED)
+    g = lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"gather_dimension=2 is out of range.*\[0, 1\]"):
+        _trace(g, (8, 8), (8, 32), (P(None, "tp"), P(None, "tp")))
 
 
 def test_scatter_dimension_out_of_range():

@@ -75,8 +75,10 @@ def axis_size(names):
     return math.prod(env.axis_size(n) for n in names)
 
 
-def check_operands(op, x, w):
-    """Shared checks: ranks, contracting dim and dtypes of ``x [..., K]`` and ``w [K, N]``."""
+def check_operands(op, x, w, k_shards=1):
+    """Shared checks: ranks, contracting dim and dtypes of ``x [..., K]`` and ``w [K, N]``.
+
+    ``k_shards``: x holds ``K / k_shards`` (all_gather_matmul gathering along K)."""
     xs, ws = jnp.shape(x), jnp.shape(w)
     if len(ws) != 2:
         raise ValueError(
@@ -85,10 +87,12 @@ def check_operands(op, x, w):
         )
     if len(xs) < 1:
         raise ValueError(f"jaxoverlap.{op}: x must have rank >= 1 ([..., K]) but is a scalar.")
-    if xs[-1] != ws[0]:
+    if xs[-1] * k_shards != ws[0]:
+        shards = f" times the group size {k_shards} (x is gathered along K)" if k_shards > 1 else ""
         raise ValueError(
             f"jaxoverlap.{op}: contracting dimensions differ: x has shape {xs} (K={xs[-1]}) but "
-            f"w has shape {ws} (K={ws[0]}). The last dim of x must equal the first dim of w."
+            f"w has shape {ws} (K={ws[0]}). The last dim of x{shards} must equal the first dim "
+            "of w."
         )
     xd, wd = jnp.result_type(x), jnp.result_type(w)
     for name, dt in (("x", xd), ("w", wd)):

@@ -25,8 +25,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
       x: ``[..., K]`` local shard of the activations (rank >= 2).
       w: ``[K, N]`` local weight shard; same dtype as ``x``.
       axis_name: the mesh axis (or tuple of axes) to gather over.
-      gather_dimension: which dimension of ``x`` is gathered; any dimension but the last
-        (which the matmul contracts). Default 0.
+      gather_dimension: which dimension of ``x`` is gathered. Default 0. The last dimension
+        (K, which the matmul contracts) is valid too: x is then sharded over K, holds
+        ``K / n`` columns, and ``w`` is the whole ``[K, N]``.
       config: a `jaxoverlap.Config`; ``None`` means ``Config()``.
 
     Returns:
@@ -35,17 +36,15 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
     """
     names = _common.axis_tuple(OP, axis_name)
     config = _common.resolve_config(OP, config)
-    _common.check_operands(OP, x, w)
     xs = jnp.shape(x)
     if len(xs) < 2:
         raise ValueError(
-            f"jaxoverlap.{OP}: x must have rank >= 2 ([rows, K]) so that a dimension other than "
-            f"the contracted K can be gathered; got shape {xs}. Add a leading dim (x[None])."
+            f"jaxoverlap.{OP}: x must have rank >= 2 ([rows, K]); got shape {xs}. Add a leading "
+            "dim (x[None])."
         )
-    d = _common.normalize_dim(
-        OP, "gather_dimension", gather_dimension, len(xs), range(len(xs) - 1), xs
-    )
+    d = _common.normalize_dim(OP, "gather_dimension", gather_dimension, len(xs), range(len(xs)), xs)
     n = _common.group_size(OP, names)
+    _common.check_operands(OP, x, w, k_shards=n if d == len(xs) - 1 else 1)
     params = dict(axis_name=names, gather_dimension=d, config=config)
     _common.check_fused_possible(OP, x, w, params, n)
     x, w = _common.vary_operands(x, w, names)
@@ -61,7 +60,8 @@ def _abstract_eval(x, w, *, axis_name, gather_dimension, config):
     del config
     n = _common.axis_size(axis_name)
     shape = [*x.shape[:-1], w.shape[1]]
-    shape[gather_dimension] *= n
+    if gather_dimension < x.ndim - 1:  # along K the gathered dim is contracted away
+        shape[gather_dimension] *= n
     vma = _common.operands_vma(OP, x, w)
     return x.update(shape=tuple(shape), manual_axis_type=x.mat.update(varying=vma))
 

@@ -1,30 +1,50 @@
 """Which matmul/collective pairs of one jaxpr the jaxoverlap ops can replace, and why not the rest.
 
-A *candidate* is a matmul (``dot_general``) directly connected to a collective in the same jaxpr:
+A *candidate* is a matmul (``dot_general``) connected to a collective in the same jaxpr:
 
-* ``dot_general -> reduce_scatter``  (``lax.psum_scatter``)     -> ``matmul_reduce_scatter``
-* ``all_gather -> dot_general``      (gathered value is ``x``)  -> ``all_gather_matmul``
-* ``dot_general -> psum``            (``lax.psum``)             -> ``matmul_all_reduce``
+* ``dot_general -> [between] -> reduce_scatter`` (``lax.psum_scatter``) -> ``matmul_reduce_scatter``
+* ``dot_general -> [between] -> psum``           (``lax.psum``)         -> ``matmul_all_reduce``
+* ``all_gather -> [between] -> dot_general(s)``  (gathered value is x)  -> ``all_gather_matmul``
 
-"Matmul" means a ``dot_general`` contracting the last dimension of ``x [..., K]`` with the first
-of a 2-D ``w [K, N]``, or with the last of ``w [N, K]`` (``einsum("mk,nk->mn")``, the layout of
-PyTorch-style weights and of backward passes; the op then gets ``w.T``).
-
-A candidate is replaced only when the op computes exactly what the pair computes: the same
-operands, the same collective over the same shard_map axes, the same output type. Every rule
-below that says no names its reason; `Candidate` carries it to `jaxoverlap.explain`.
+"Matmul" is any ``dot_general`` that is a 2-D matmul after reshaping (`views.dot_view`): x
+contracted on its trailing dims, N-D weights in any layout. "Between" are up to `MAX_BETWEEN`
+single-use equations. A cast, a reshape or a bias add between the pair is moved across the
+collective where that keeps the result within dtype tolerance (the rules are in `reductions`
+and `gathers`); anything else makes the pair a *near miss*, listed with the equation in between
+and how to move it. Every rule that says no names its reason; `Candidate` carries it to
+`jaxoverlap.explain`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 
-import jax.numpy as jnp
-import numpy as np
 from jax._src import core, source_info_util
+from jax.extend.core import ClosedJaxpr
 
-_SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma=True
+SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma=True
+COLLECTIVES = frozenset({*SUM_PRIMS, "reduce_scatter", "all_gather", "all_to_all", "ppermute"})
+MAX_BETWEEN = 4  # equations searched between a matmul and its collective
+
+# How to move an equation found between a matmul and its reduction, for near-miss reasons.
+HINTS = {
+    "mul": "scale after the collective instead (a scale by a replicated value commutes with it)",
+    "div": "divide after the collective instead (by a replicated value it commutes with it)",
+    "neg": "negate after the collective",
+    "pvary": "the matmul's operands are both replicated; make one of them sharded",
+}
+LINEAR = frozenset({"reduce_sum", "slice", "squeeze", "broadcast_in_dim", "expand_dims", "pad",
+                    "dynamic_slice", "rev", "select_n", "concatenate"})  # fmt: skip
+OTHER = (
+    "the ops compute the collective of x @ w itself, and this does not commute with the sum; "
+    "apply it after the collective"
+)
+GATHER_HINT = (
+    "apply it before the all_gather, on the local rows: an elementwise op, or a row-wise one "
+    "such as a norm for a gather of rows, commutes with the gather (and costs 1/n there)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +55,14 @@ class Candidate:
       op: the jaxoverlap op that would replace the pair.
       rewritten: whether it was replaced.
       reason: why not (empty when rewritten).
-      detail: the pair, e.g. ``f32[64,128] @ f32[128,256] -> reduce_scatter(('tp',), dim 0)``.
+      detail: the pair, e.g. ``f32[64,128] @ f32[128,256] -> psum_scatter(('tp',), dim 0)``.
       location: the user source line of the collective (or of the matmul for all_gather).
       scope: the nesting it was found in, outermost first, e.g. ``jit > shard_map > scan``.
+      note: what the rewrite did besides swapping the pair (moved a bias, reshaped a weight...).
+      path: for a rewrite, the path the op takes on this machine's GPUs: ``"fused"`` or
+        ``"reference: <why>"`` (from `jaxoverlap.fused.unsupported_reason`).
+      kind: ``"candidate"``; ``"near miss"`` (something between the pair stops it);
+        ``"out of scope"`` (a pattern the ops do not implement, e.g. an FSDP weight gather).
     """
 
     op: str
@@ -46,86 +71,73 @@ class Candidate:
     detail: str
     location: str
     scope: str
+    note: str = ""
+    path: str = ""
+    kind: str = "candidate"
 
     def __str__(self):
-        status = "rewritten" if self.rewritten else "skipped"
+        status = "rewritten" if self.rewritten else ("near miss" if self.kind == "near miss"
+                                                     else "skipped")  # fmt: skip
         line = f"{status:9} {self.op}: {self.detail}  [{self.scope}; {self.location}]"
-        return line if self.rewritten else f"{line}\n          why: {self.reason}"
+        if not self.rewritten:
+            return f"{line}\n          why: {self.reason}"
+        note = f"\n          does: {self.note}" if self.note else ""
+        return f"{line}{note}\n          path: {self.path}"
 
 
 @dataclasses.dataclass
 class Match:
-    """A candidate inside one jaxpr: equation indices, the op's operands and keyword arguments."""
+    """A candidate inside one jaxpr: which equations it replaces and how to compute them.
+
+    ``build(op_fn, *inputs)`` returns the values replacing ``outs``; the walk traces it in the
+    candidate's shard_map context, splices its equations in at ``last`` and drops ``drop``.
+    """
 
     op: str
-    first: int  # index of the earlier equation of the pair
-    last: int  # index of the later one; the op is spliced in here
-    x: core.Atom
-    w: core.Atom  # as the matmul takes it: [K, N], or [N, K] when transpose_w
-    out: core.Var  # the pair's result, which the op's result replaces
-    kwargs: dict
+    first: int  # index of the earliest equation of the pair
+    last: int  # where the op's equations go (every input is defined before it)
+    drop: frozenset[int]
+    inputs: tuple
+    outs: tuple
+    build: Callable | None
     detail: str
     location: str
     reason: str | None = None
-    transpose_w: bool = False  # the matmul is x @ w.T: the op gets jnp.transpose(w)
+    note: str = ""
+    kind: str = "candidate"
 
 
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)  # includes bfloat16 and float8 (ml_dtypes)
+class NearMiss(Exception):
+    """Something between the pair cannot be moved across the collective; the message says what."""
 
 
-def _short(atom) -> str:
+def short(atom) -> str:
     return atom.aval.str_short(short_dtypes=True)
 
 
-def _where(eqn) -> str:
+def where(eqn) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
-def matmul_problem(eqn) -> str | None:
-    """Why this ``dot_general`` is not ``jnp.matmul(x [..., K], w [K, N])`` as the ops compute."""
-    x, w = (v.aval for v in eqn.invars)
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lb or rb:
-        return "the matmul has batch dimensions (the ops take x [..., K] and a single w [K, N])"
-    if w.ndim != 2:
-        return f"the weight operand has rank {w.ndim}; the ops take w as [K, N]"
-    if tuple(rc) not in ((0,), (1,)):
-        return f"the weight is contracted on dimensions {tuple(rc)}"
-    if tuple(lc) != (x.ndim - 1,):
-        return f"x is contracted on dimension {tuple(lc)}, not on its last one (x must be [..., K])"
-    if x.dtype != w.dtype:
-        return f"the operands have different dtypes ({x.dtype} and {w.dtype})"
-    if not _is_float(x.dtype):
-        return f"dtype {x.dtype} is not floating point (the ops are float-only)"
-    if eqn.params.get("precision") is not None:
+def hint(eqn) -> str:
+    """How to move ``eqn`` out from between a matmul and its reduce-scatter/psum."""
+    name = eqn.primitive.name
+    if name in LINEAR:
         return (
-            f"precision={eqn.params['precision']} (the ops run the matmul at default precision, "
-            "which may differ)"
+            f"the ops have no form with a {name} between the matmul and the collective; apply "
+            "it after the collective (being linear, after a psum it computes the same)"
         )
-    pet = eqn.params.get("preferred_element_type")
-    if pet is not None and np.dtype(pet) != x.dtype:
-        return (
-            f"preferred_element_type={np.dtype(pet)} differs from the operand dtype {x.dtype} "
-            "(the ops return x.dtype)"
-        )
-    sharding = eqn.params.get("out_sharding")
-    if sharding is not None and any(e is not None for e in getattr(sharding, "spec", (0,))):
-        # (Backward-pass matmuls inside shard_map carry a fully replicated one: a no-op.)
-        return f"the matmul carries an explicit out_sharding {sharding}"
-    return None
+    return HINTS.get(name, OTHER)
 
 
-def _transposed(dot) -> bool:
-    """``x @ w.T``: the weight is stored ``[N, K]`` and contracted on its last dimension."""
-    (_, rc), _ = dot.params["dimension_numbers"]
-    return dot.invars[1].aval.ndim == 2 and tuple(rc) == (1,)
+def group_size(eqn) -> int:
+    return int(eqn.params.get("axis_size") or 0) or 1
 
 
 def collective_problem(eqn, manual_axes) -> str | None:
     """Why this collective is not the one the ops perform over shard_map axes."""
     p = eqn.params
-    names = p["axes"] if eqn.primitive.name in _SUM_PRIMS else p["axis_name"]
+    names = p["axes"] if eqn.primitive.name in SUM_PRIMS else p["axis_name"]
     if p.get("axis_index_groups") is not None:
         return "axis_index_groups is set (the ops communicate over whole mesh axes)"
     if "tiled" in p and not p["tiled"]:
@@ -140,13 +152,53 @@ def collective_problem(eqn, manual_axes) -> str | None:
     return None
 
 
-def _collective_desc(eqn) -> str:
+def collective_desc(eqn) -> str:
     p = eqn.params
-    if eqn.primitive.name in _SUM_PRIMS:
+    if eqn.primitive.name in SUM_PRIMS:
         return f"psum({tuple(p['axes'])})"
     if eqn.primitive.name == "all_gather":
         return f"all_gather({tuple(p['axis_name'])}, dim {p['all_gather_dimension']})"
     return f"psum_scatter({tuple(p['axis_name'])}, dim {p['scatter_dimension']})"
+
+
+class Graph:
+    """Producers and uses of the variables of one jaxpr."""
+
+    def __init__(self, jaxpr: core.Jaxpr):
+        self.jaxpr, self.eqns = jaxpr, jaxpr.eqns
+        self.producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+        self.uses = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var))
+        self.uses.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
+        self.users: dict = {}
+        for i, e in enumerate(jaxpr.eqns):
+            for v in e.invars:
+                if isinstance(v, core.Var):
+                    self.users.setdefault(v, []).append(i)
+
+    def made_by(self, v, *names):
+        j = self.producer.get(v) if isinstance(v, core.Var) else None
+        return j if j is not None and self.eqns[j].primitive.name in names else None
+
+    def defined_before(self, atom, i) -> bool:
+        return not isinstance(atom, core.Var) or self.producer.get(atom, -1) < i
+
+
+def walkable(eqn) -> bool:
+    """An equation the search may look through (to list near misses): one result, no
+    collective, no sub-jaxprs except a custom_jvp function's (``jax.nn.relu`` is one)."""
+    name = eqn.primitive.name
+    nested = any(isinstance(v, (core.Jaxpr, ClosedJaxpr)) for v in eqn.params.values())
+    if len(eqn.outvars) != 1 or name in COLLECTIVES | {"dot_general"}:
+        return False
+    return not nested or name == "custom_jvp_call"
+
+
+def eqn_name(eqn) -> str:
+    """The primitive, with the function's name for a custom_jvp call."""
+    name = eqn.primitive.name
+    body = eqn.params.get("call_jaxpr")
+    func = getattr(getattr(body, "debug_info", None), "func_name", None)
+    return f"{name} ({func})" if name.startswith("custom_") and func else name
 
 
 def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
@@ -154,84 +206,43 @@ def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
 
     ``Match.reason`` is None for those that may be replaced (subject to the op accepting them).
     """
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    uses = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var))
-    uses.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
+    from jaxoverlap.rewrite import gathers, reductions  # they import this module
+
+    g = Graph(jaxpr)
     claimed: set[int] = set()
     matches = []
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         if name == "all_gather":
-            m = _match_all_gather(jaxpr, i, uses, manual_axes)
-        elif name == "reduce_scatter" or name in _SUM_PRIMS:
-            m = _match_reduction(jaxpr, i, producer, uses, manual_axes)
+            found = [gathers.match_all_gather(g, i, manual_axes)]
+        elif name == "reduce_scatter" or name in SUM_PRIMS:
+            found = [reductions.match_reduction(g, i, manual_axes)]
+        elif name.startswith("custom_vjp_call"):
+            found = gathers.custom_vjp_near_misses(g, i)
         else:
             continue
-        if m is None:
-            continue
-        if m.reason is None and (m.first in claimed or m.last in claimed):
-            m.reason = "its matmul is already being fused with another collective"
-        if m.reason is None:
-            claimed.update((m.first, m.last))
-        matches.append(m)
+        for m in found:
+            if m is None:
+                continue
+            if m.reason is None and (claimed & m.drop):
+                m.reason = "its matmul is already being fused with another collective"
+            if m.reason is None:
+                claimed.update(m.drop)
+            matches.append(m)
     return matches
 
 
-def _match_reduction(jaxpr, i, producer, uses, manual_axes) -> Match | None:
-    coll = jaxpr.eqns[i]
-    src = coll.invars[0]
-    j = producer.get(src) if isinstance(src, core.Var) else None
-    if j is None or jaxpr.eqns[j].primitive.name != "dot_general":
-        return None
-    dot = jaxpr.eqns[j]
-    x, w = dot.invars
-    if coll.primitive.name == "reduce_scatter":
-        op = "matmul_reduce_scatter"
-        kwargs = dict(
-            axis_name=tuple(coll.params["axis_name"]),
-            scatter_dimension=coll.params["scatter_dimension"],
-        )
-    else:
-        op = "matmul_all_reduce"
-        kwargs = dict(axis_name=tuple(coll.params["axes"]))
-    t = _transposed(dot)
-    m = Match(
-        op, j, i, x, w, coll.outvars[0], kwargs,
-        detail=f"{_short(x)} @ {_short(w)}{'.T' if t else ''} -> {_collective_desc(coll)}",
-        location=_where(coll), transpose_w=t,
-    )  # fmt: skip
-    m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
-    if m.reason is None and uses[src] != 1:
-        m.reason = "the matmul result is also used elsewhere (the ops do not expose it)"
-    return m
+ROUNDED = "the matmul's wider preferred_element_type, cast straight back, is the op's rounding"
 
 
-def _match_all_gather(jaxpr, i, uses, manual_axes) -> Match | None:
-    coll = jaxpr.eqns[i]
-    g = coll.outvars[0]
-    consumers = [
-        (j, e) for j, e in enumerate(jaxpr.eqns[i + 1 :], i + 1)
-        if e.primitive.name == "dot_general" and g in e.invars
-    ]  # fmt: skip
-    if not consumers:
+def rounds_back(g: Graph, j) -> int | None:
+    """The index of the cast that takes dot ``j``'s wider ``preferred_element_type`` result
+    straight back to the operand dtype (its only use), else None."""
+    dot, (out,) = g.eqns[j], g.eqns[j].outvars
+    xdt = dot.invars[0].aval.dtype
+    users = g.users.get(out, [])
+    if out.aval.dtype == xdt or len(users) != 1 or g.uses[out] != 1:
         return None
-    j, dot = consumers[0]
-    x, w = dot.invars
-    t = _transposed(dot)
-    m = Match(
-        "all_gather_matmul", i, j, coll.invars[0], w, dot.outvars[0],
-        dict(axis_name=tuple(coll.params["axis_name"]),
-             gather_dimension=coll.params["all_gather_dimension"]),
-        detail=f"{_collective_desc(coll)} of {_short(coll.invars[0])} -> @ {_short(w)}"
-        f"{'.T' if t else ''}",
-        location=_where(dot), transpose_w=t,
-    )  # fmt: skip
-    if x is not g:
-        m.reason = "the gathered value is the matmul's weight operand (the ops gather x)"
-    else:
-        m.reason = matmul_problem(dot) or collective_problem(coll, manual_axes)
-    if m.reason is None and coll.params["all_gather_dimension"] == g.aval.ndim - 1:
-        m.reason = "the gather is along K, which the matmul contracts (the ops gather a row dim)"
-    if m.reason is None and uses[g] != 1:
-        m.reason = "the gathered value is also used elsewhere (the ops do not expose it)"
-    return m
+    e = g.eqns[users[0]]
+    ok = e.primitive.name == "convert_element_type" and e.outvars[0].aval.dtype == xdt
+    return users[0] if ok else None

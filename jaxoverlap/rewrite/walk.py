@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 
-import jax.numpy as jnp
 from jax._src import api_util, core
 from jax._src import config as jax_config
 from jax._src import linear_util as lu
@@ -88,16 +89,18 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
     for m in find_matches(jaxpr, frozenset(get_abstract_mesh().manual_axes)):
         if m.reason is None and state.blocked:
             m.reason = state.blocked
+        path = ""
         if m.reason is None:
             try:
-                splices[m.last] = _op_eqns(m, state.config, jaxpr.eqns[m.last])
-                dropped.add(m.first)
+                splices[m.last], path = _op_eqns(m, state.config, jaxpr.eqns[m.last])
+                dropped.update(m.drop)
             except _Rejected as e:
                 m.reason = str(e)
         state.candidates.append(
             Candidate(
                 op=m.op, rewritten=m.reason is None, reason=m.reason or "", detail=m.detail,
                 location=m.location, scope=" > ".join(state.scope) or "top level",
+                note=m.note, path=path, kind=m.kind,
             )
         )  # fmt: skip
     if not splices:
@@ -106,7 +109,7 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
     for i, eqn in enumerate(jaxpr.eqns):
         if i in splices:
             new_eqns.extend(splices[i])
-        elif i not in dropped:
+        if i not in dropped:
             new_eqns.append(eqn)
     return jaxpr.replace(eqns=new_eqns)
 
@@ -159,17 +162,15 @@ def _op_fn(op: str):
     return getattr(ops, op)
 
 
-def _op_eqns(m: Match, config, anchor: core.JaxprEqn) -> list[core.JaxprEqn]:
-    """The equations computing ``m.op(m.x, m.w)`` into ``m.out``, traced in the current context."""
-    fn = _op_fn(m.op)
+def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
+    """The equations computing ``m.build`` into ``m.outs``, traced in the current context, and
+    the path the op takes on this machine's GPUs."""
+    fn = functools.partial(_op_fn(m.op), config=config)
+    in_avals = [a.aval for a in m.inputs]
 
-    def call(x, w):
-        # x @ w.T: XLA fuses the transpose into the matmul on the reference path; a fused GEMM
-        # that reads w as [N, K] can take it without a copy.
-        w = jnp.transpose(w) if m.transpose_w else w
-        return [fn(x, w, config=config, **m.kwargs)]
+    def call(*args):
+        return list(m.build(fn, *args))
 
-    in_avals = [m.x.aval, m.w.aval]
     dbg = api_util.debug_info("jaxoverlap.overlap", call, in_avals, {})
     try:
         tiny, out_avals, consts = pe.trace_to_jaxpr_dynamic(
@@ -177,21 +178,41 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn) -> list[core.JaxprEqn]:
         )
     except (TypeError, ValueError, NotImplementedError) as e:
         raise _Rejected(f"jaxoverlap.{m.op} does not accept it: {_first_line(e)}") from None
-    (new,), old = out_avals, m.out.aval
-    if (new.shape, new.dtype, new.mat) != (old.shape, old.dtype, old.mat):
-        raise _Rejected(
-            f"jaxoverlap.{m.op} would return {new.str_short()} where the original has "
-            f"{old.str_short()} (a different varying-axes type); left as written"
-        )
-    if consts or tiny.constvars or any(e.effects for e in tiny.eqns):
+    for new, out in zip(out_avals, m.outs, strict=True):
+        old = out.aval
+        if (new.shape, new.dtype, new.mat) != (old.shape, old.dtype, old.mat):
+            raise _Rejected(
+                f"jaxoverlap.{m.op} would return {new.str_short()} where the original has "
+                f"{old.str_short()} (a different varying-axes type); left as written"
+            )
+    # (A collective's named-axis effect is one the replaced collective had too.)
+    named = getattr(core, "NamedAxisEffect", ())
+    effects = {f for e in tiny.eqns for f in e.effects if not isinstance(f, named)}
+    if consts or tiny.constvars or effects:
         raise _Rejected(f"jaxoverlap.{m.op} traced to equations with constants or effects")
-    env = dict(zip(tiny.invars, (m.x, m.w), strict=True))
-    env[tiny.outvars[0]] = m.out
+    env = dict(zip(tiny.invars, m.inputs, strict=True))
+    env.update(zip(tiny.outvars, m.outs, strict=True))
     sub = lambda vs: [env.get(v, v) if isinstance(v, core.Var) else v for v in vs]  # noqa: E731
-    return [
+    eqns = [
         e.replace(invars=sub(e.invars), outvars=sub(e.outvars), source_info=anchor.source_info)
         for e in tiny.eqns
     ]
+    return eqns, _gpu_path(m.op, tiny, config)
+
+
+def _gpu_path(op: str, tiny: core.Jaxpr, config) -> str:
+    """``"fused"``, or ``"reference: <why>"``, from the op's own avals and params (as its lowering
+    decides at trace time; lowering can still fall back, e.g. for GPUs that are not peers)."""
+    from jaxoverlap import fused
+
+    eqn = next(e for e in tiny.eqns if e.primitive.name == op)
+    params = eqn.params
+    if params["config"].backend == "xla":
+        return "reference: backend='xla'"
+    n = math.prod(core.get_axis_env().axis_size(a) for a in params["axis_name"])
+    x, w = (v.aval for v in eqn.invars)
+    reason = fused.unsupported_reason(op, x, w, params, n)
+    return "fused" if reason is None else f"reference: {reason}"
 
 
 def _first_line(e: Exception) -> str:
