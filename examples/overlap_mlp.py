@@ -125,10 +125,10 @@ def main():
     print(f"{len(devices)} x {devices[0].device_kind}, {args.layers} layers, x {shapes[0]} {dtype}")
     jaxoverlap.explain(model, x, w1, w2)
 
-    # The one change: overlap the forward model. Differentiating the result gives a backward pass
-    # that uses the ops too (their transpose rules call each other), which rewriting an
-    # already-differentiated step could not do (the gathered activations are saved for the
-    # backward pass, so the forward all_gather is "used elsewhere" there).
+    # The one change: overlap the forward model, then differentiate. The ops' derivative rules
+    # keep the communication of JAX's own backward pass (one gather per layer and direction,
+    # shared by dx and dW) and run fused what can: in training the reduce-scatters, forward and
+    # in the backward of the gathers (the gathered activations are kept for dW, as in plain JAX).
     plain, fused = jax.jit(make_step(model)), jax.jit(make_step(jaxoverlap.overlap(model)))
     print("ops in the overlapped training step:", count_ops(fused, x, w1, w2))
     (loss0, grads0), (loss1, grads1) = plain(x, w1, w2), fused(x, w1, w2)
