@@ -134,7 +134,11 @@ def test_explain_summary_and_verbose_false_folds_fsdp_gathers(capsys):
     summary = out.split("summary:")[1].strip().splitlines()
     paths = {c.path for c in found if c.rewritten}
     assert len(summary) == len(paths) + 1, summary
-    assert summary[0].split()[:4] == ["2", "rewritten,", "GPU", "path"], summary
+    # The two rewrites may take different GPU paths (with the native extension built, the f32 one
+    # and the bf16 one are refused for different reasons): their counts add up to 2.
+    path_lines = summary[:-1]
+    assert all(ln.split()[1:4] == ["rewritten,", "GPU", "path"] for ln in path_lines), summary
+    assert sum(int(ln.split()[0]) for ln in path_lines) == 2, summary
     assert "out of scope: the gathered value is the matmul's weight operand" in summary[-1]
     for c in found[1:]:  # the path is computed by jaxoverlap.fused for the op's own operands
         assert c.path == "fused" or c.path.startswith("reference: "), c.path
