@@ -108,7 +108,8 @@ def main():
     tol = 5e-2 if dtype == jnp.bfloat16 else 1e-4
     fused = "jaxoverlap_" in hlo
     p = f"process {rank}/{jax.process_count()}:"
-    print(f"{p} mesh dp={dp} x tp={tp}, local devices {[d.id for d in local]} ({local[0].platform})")
+    ids = [d.id for d in local]
+    print(f"{p} mesh dp={dp} x tp={tp}, local devices {ids} ({local[0].platform})")
     print(f"{p} backend: {'fused jaxoverlap kernels' if fused else 'reference (XLA)'}")
     print(f"{p} errors " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" (tol {tol})")
     bad = {k: v for k, v in errors.items() if not v <= tol}

@@ -130,7 +130,7 @@ def run(n, script_argv, *, devices_per_process=1, timeout_s=None):
             pumps.append(t)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         code = 0
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # a list: poll every child, every round
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 code = _exit_code(failed[0].returncode)
