@@ -6,7 +6,9 @@ multi-process code on one machine::
 Each process gets, through the environment, what ``jax.distributed.initialize`` needs: the
 coordinator's address (127.0.0.1 and a free port: loopback only), the process count, its id, and
 its local devices by JAX's convention (``local_device_ids``: process ``i`` drives GPUs
-``i*K .. i*K+K-1``, every GPU stays visible to CUDA). On a machine without accelerators each
+``i*K .. i*K+K-1``, every GPU stays visible to CUDA), or with ``--cuda-visible-devices`` by
+``CUDA_VISIBLE_DEVICES`` (each process sees only its own GPUs; some projects saw this break
+CUDA IPC between processes, hence not the default). On a machine without accelerators each
 process gets ``K`` fake CPU devices instead. The script calls :func:`initialize` first.
 
 Output lines are prefixed with the rank. The launcher waits for every process; when one exits
@@ -63,14 +65,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _child_env(rank, n, k, address):
+def _child_env(rank, n, k, address, *, cuda_visible=False):
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={k}".strip()
     env[ENV_ADDRESS] = address
     env[ENV_PROCESSES] = str(n)
     env[ENV_PROCESS_ID] = str(rank)
-    env[ENV_DEVICES] = ",".join(str(rank * k + i) for i in range(k))
+    mine = [rank * k + i for i in range(k)]
+    if cuda_visible:  # positions in the parent's CUDA_VISIBLE_DEVICES, if it set one
+        parent = env.get("CUDA_VISIBLE_DEVICES")
+        names = parent.split(",") if parent else [str(i) for i in range(max(mine) + 1)]
+        if max(mine) >= len(names):
+            raise ValueError(f"process {rank} needs GPU {max(mine)}; visible: {parent}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] for i in mine)
+        mine = list(range(k))
+    env[ENV_DEVICES] = ",".join(map(str, mine))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -103,7 +113,7 @@ def _exit_code(rc):
     return 128 - rc if rc < 0 else rc  # killed by signal s: 128 + s, as a shell reports it
 
 
-def run(n, script_argv, *, devices_per_process=1, timeout_s=None):
+def run(n, script_argv, *, devices_per_process=1, timeout_s=None, cuda_visible=False):
     """Run ``script_argv`` (a script path and its arguments) as ``n`` processes; returns the
     exit code (0, the first failure's, or 124 when ``timeout_s`` ran out)."""
     address = f"127.0.0.1:{_free_port()}"
@@ -118,7 +128,7 @@ def run(n, script_argv, *, devices_per_process=1, timeout_s=None):
         for rank in range(n):
             p = subprocess.Popen(
                 [sys.executable, *script_argv],
-                env=_child_env(rank, n, devices_per_process, address),
+                env=_child_env(rank, n, devices_per_process, address, cuda_visible=cuda_visible),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -174,6 +184,11 @@ def main(argv=None):
         default=1,
         help="GPUs (local_device_ids) or, without accelerators, fake CPU devices per process",
     )
+    parser.add_argument(
+        "--cuda-visible-devices",
+        action="store_true",
+        help="give each process its GPUs through CUDA_VISIBLE_DEVICES, not local_device_ids",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds; then exit 124")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -185,6 +200,7 @@ def main(argv=None):
         [a.script, *a.args],
         devices_per_process=a.devices_per_process,
         timeout_s=a.timeout,
+        cuda_visible=a.cuda_visible_devices,
     )
 
 

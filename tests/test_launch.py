@@ -119,5 +119,13 @@ def test_child_environment_and_no_op_initialize(monkeypatch):
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
     assert env[launch.ENV_DEVICES] == "4,5,6,7"
     assert env[launch.ENV_PROCESS_ID] == "1" and env[launch.ENV_PROCESSES] == "2"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = launch._child_env(1, 2, 2, "127.0.0.1:1234", cuda_visible=True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env[launch.ENV_DEVICES] == "0,1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,5,3,1")
+    env = launch._child_env(1, 2, 2, "127.0.0.1:1234", cuda_visible=True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,1"
+    with pytest.raises(ValueError, match="needs GPU 5"):
+        launch._child_env(2, 3, 2, "127.0.0.1:1234", cuda_visible=True)
     monkeypatch.delenv(launch.ENV_PROCESSES, raising=False)
     assert launch.initialize() is False
