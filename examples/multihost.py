@@ -61,6 +61,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=None, help="default: devices per process")
     parser.add_argument("--cluster", action="store_true", help="SLURM/MPI/k8s auto-detection")
+    parser.add_argument("--expect-fused", action="store_true", help="fail unless an op ran fused")
     args = parser.parse_args()
     # Before anything touches a device: with several processes, jax.devices() is then global.
     if args.cluster:
@@ -115,6 +116,8 @@ def main():
     bad = {k: v for k, v in errors.items() if not v <= tol}
     if bad:
         raise SystemExit(f"{p} FAILED: error above tolerance: {bad}")
+    if args.expect_fused and not fused:
+        raise SystemExit(f"{p} FAILED: --expect-fused, but no jaxoverlap custom call in the HLO")
     print(f"{p} OK")
 
 

@@ -32,13 +32,17 @@ def _alive(pid):
     return True
 
 
-def test_multihost_example_runs_across_two_processes():
+# tp inside each process (the dp gradient reduction crosses processes), and tp across both
+# processes (the block's all-gather and reduce-scatter cross them).
+@pytest.mark.parametrize("tp,mesh", [(None, "dp=2 x tp=2"), (4, "dp=1 x tp=4")])
+def test_multihost_example_runs_across_two_processes(tp, mesh):
     cmd = [sys.executable, "-m", "jaxoverlap.launch", "-n", "2", "--devices-per-process", "2"]
     cmd += ["--timeout", "100", str(ROOT / "examples" / "multihost.py")]
+    cmd += ["--tp", str(tp)] if tp else []
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
-        assert f"[{rank}] process {rank}/2: mesh dp=2 x tp=2" in r.stdout
+        assert f"[{rank}] process {rank}/2: mesh {mesh}" in r.stdout
         assert f"[{rank}] process {rank}/2: errors loss" in r.stdout
         assert f"[{rank}] process {rank}/2: OK" in r.stdout
 
