@@ -15,9 +15,9 @@ Output lines are prefixed with the rank. The launcher waits for every process; w
 non-zero (or on Ctrl-C, SIGTERM or ``--timeout``) it stops the others (SIGTERM, then SIGKILL
 after a grace period) and exits with the first failure's code (124 on timeout).
 
-Across real hosts, use the scheduler's launcher instead: ``jax.distributed.initialize()``
-reads SLURM, Open MPI and Kubernetes environments by itself (``initialize`` below falls back to
-that when the script was not started by this launcher).
+Across real hosts, use the scheduler's launcher instead and have the script call
+``jax.distributed.initialize()``, which reads SLURM, Open MPI and Kubernetes environments by
+itself (``examples/multihost.py --cluster``); :func:`initialize` is a no-op there.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class GroupTable:
       groups: ``[rows, n]``: the ordinals of each device's group, by rank.
       processes: process index of each device.
       group_processes: ``[rows, n]``: the process of each member of each device's group, by
-        rank; None (hand-built tables) means every group lies in its rows' process.
+        rank; None in hand-built tables, which then must lie in one process to fuse.
     """
 
     n: int
