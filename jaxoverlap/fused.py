@@ -246,16 +246,17 @@ def _group_table(ctx, axis_name):
         raise FusedUnavailable(str(e)) from None
     if runtime.native() is None:
         raise FusedUnavailable(runtime.unavailable_reason())
+    process = topology.this_process()
     why = topology.unfusable_reason(
         table,
-        process_index=jax.process_index(),
+        process_index=process,
         can_access_peer=runtime.can_access_peer,
         compute_capability=runtime.compute_capability,
         peer_link=runtime.peer_link,
     )
     if why:
         raise FusedUnavailable(why)
-    return table
+    return topology.local_rows(table, process)  # ordinals are per process
 
 
 def site_key(table, comm_sms, chunks, kind):

@@ -6,6 +6,13 @@ rank of a device must come from the mesh, never from ``lax.axis_index``. The rul
 devices that differ only in the reduced axes; inside it, the rank is the row-major index over
 the reduced axes *in the order given* (first name most significant). Block ``j`` of the
 scattered result belongs to the device of rank ``j``.
+
+Several processes (``jax.distributed``): the table covers every device of the mesh, in every
+process alike. A group whose devices are all in one process can fuse (its GPUs are local, so the
+one-process workspace serves it); a group that spans processes cannot yet (no cross-process
+workspace), and since every process sees the same table, every process takes the same decision
+for it. The custom call gets only this process's rows (`local_rows`): CUDA ordinals are
+per-process and repeat across hosts.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class GroupTable:
       ranks: rank of each device in its group.
       groups: ``[rows, n]``: the ordinals of each device's group, by rank.
       processes: process index of each device.
+      group_processes: ``[rows, n]``: the process of each member of each device's group, by
+        rank; None in hand-built tables, which then must lie in one process to fuse.
     """
 
     n: int
@@ -39,11 +48,23 @@ class GroupTable:
     ranks: np.ndarray
     groups: np.ndarray
     processes: np.ndarray
+    group_processes: np.ndarray | None = None
 
 
 def _ordinal(d):
     h = getattr(d, "local_hardware_id", None)
     return int(h) if h is not None else int(d.id)
+
+
+def _process(d):
+    return int(getattr(d, "process_index", 0))
+
+
+def this_process():
+    """This process's index (``jax.process_index()``; 0 without ``jax.distributed``)."""
+    import jax
+
+    return jax.process_index()
 
 
 def group_table(mesh, axis_names) -> GroupTable:
@@ -67,17 +88,60 @@ def group_table(mesh, axis_names) -> GroupTable:
     ranks = np.empty(rows, np.int32)
     processes = np.empty(rows, np.int32)
     groups = np.empty((rows, n), np.int32)
+    group_processes = np.empty((rows, n), np.int32)
     index = {d: i for i, d in enumerate(devices.flat)}
     for g in range(by_rank.shape[1]):
         members = [by_rank[r, g] for r in range(n)]
         member_ordinals = [_ordinal(d) for d in members]
+        member_processes = [_process(d) for d in members]
         for r, d in enumerate(members):
             i = index[d]
             ordinals[i] = _ordinal(d)
             ranks[i] = r
-            processes[i] = int(getattr(d, "process_index", 0))
+            processes[i] = _process(d)
             groups[i] = member_ordinals
-    return GroupTable(n=n, ordinals=ordinals, ranks=ranks, groups=groups, processes=processes)
+            group_processes[i] = member_processes
+    return GroupTable(
+        n=n,
+        ordinals=ordinals,
+        ranks=ranks,
+        groups=groups,
+        processes=processes,
+        group_processes=group_processes,
+    )
+
+
+def local_rows(table: GroupTable, process_index: int) -> GroupTable:
+    """The rows of the devices of process ``process_index`` (what its custom calls get)."""
+    mine = table.processes == process_index
+    gp = table.group_processes
+    return GroupTable(
+        n=table.n,
+        ordinals=table.ordinals[mine],
+        ranks=table.ranks[mine],
+        groups=table.groups[mine],
+        processes=table.processes[mine],
+        group_processes=None if gp is None else gp[mine],
+    )
+
+
+def _spanning_reason(table: GroupTable):
+    """Why a group of ``table`` spans processes, or None. The same answer in every process."""
+    gp = table.group_processes
+    if gp is None:
+        if len(set(table.processes.tolist())) < 2:
+            return None
+        return "the group table spans processes but does not say which process each member is in"
+    spans = np.flatnonzero(gp.min(axis=1) != gp.max(axis=1))
+    if spans.size == 0:
+        return None
+    members = sorted(set(gp[spans[0]].tolist()))
+    return (
+        f"a group of {table.n} devices over the reduced axes spans processes "
+        f"{', '.join(map(str, members))} (one process per GPU, or several hosts); the fused "
+        f"kernels need every GPU of a group in one process for now (the cross-process "
+        f"workspace is not built yet), so this collective takes XLA's path"
+    )
 
 
 def unfusable_reason(
@@ -100,11 +164,12 @@ def unfusable_reason(
         return "the group has a single device (nothing to reduce-scatter)"
     if table.n > MAX_GROUP:
         return f"group size {table.n} exceeds the {MAX_GROUP} GPUs of one NVLink node"
-    if np.any(table.processes != process_index):
-        return (
-            "the mesh spans several processes (one process per GPU or several hosts); the "
-            "fused kernels need every device of the group in this process for now"
-        )
+    why = _spanning_reason(table)
+    if why:
+        return why
+    # Every group is inside one process: the rest is about this process's GPUs and groups only
+    # (other processes check theirs; no group is shared, so they need not agree).
+    table = local_rows(table, process_index)
     if len(set(table.ordinals.tolist())) != len(table.ordinals):
         return "two mesh devices share a CUDA ordinal in this process"
     groups = sorted({tuple(g) for g in table.groups.tolist()})

@@ -74,7 +74,7 @@ def test_fusable_and_reasons():
         groups=table.groups,
         processes=np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32),
     )
-    assert "several processes" in topology.unfusable_reason(multi, process_index=0)
+    assert "does not say which process" in topology.unfusable_reason(multi, process_index=0)
     single = topology.group_table(_mesh((2, 4), ("dp", "tp")), ("dp",))
     assert single.n == 2
     one = topology.group_table(_mesh((1, 2), ("dp", "tp")), ("dp",))
