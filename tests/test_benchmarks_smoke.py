@@ -105,3 +105,18 @@ def test_all_gather_matmul_smoke(tmp_path):
     assert all(v is not None and v > 0 for v in row["ms"].values()), row["ms"]
     assert all(c["ok"] for c in row["check"].values())
     assert row["auto_picks"] == "xla"  # no fused kernel on CPU
+
+
+def test_stress_tool_smoke():
+    """tools/stress.py runs its scan programs, compares them and reports (reference path)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "stress.py"), "--cpu-smoke", "--calls", "200"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "STRESS: PASSED" in r.stdout and "fused calls" in r.stdout, r.stdout

@@ -3,11 +3,12 @@
 # GPU tests, the op benchmarks and the CPU test suite, and prints the summary table LAST.
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
-#                      [--layer]
+#                      [--layer] [--stress]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
-# --layer: also the transformer layer's train step (tuned first; tuning cache under $LOG).
+# --layer: also the transformer layer's train step (tuned first; tuning cache under $LOG);
+# --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked).
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
 # machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
@@ -26,7 +27,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-530}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
-BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0
+BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -35,7 +36,8 @@ for a in "$@"; do
     --skip-bench) BENCH=0 ;;
     --skip-cpu-tests) CPU_TESTS=0 ;;
     --layer) LAYER=1 ;;
-    -h | --help) sed -n 2,15p "$0"; exit 0 ;;
+    --stress) STRESS=1 ;;
+    -h | --help) sed -n 2,16p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -99,6 +101,9 @@ if ((BENCH)); then
     --windowed-timeout 80 "${BENCH_FLAGS[@]}"
   step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
   step bench-ag-gemm 150 "$PY" benchmarks/all_gather_matmul.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
+fi
+if ((STRESS)); then
+  step stress 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/stress.py
 fi
 if ((LAYER)); then
   step bench-layer 300 env XDG_CACHE_HOME="$LOG/cache" "$PY" benchmarks/transformer_layer.py \
