@@ -40,13 +40,30 @@ WINDOWED_FLAGS = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 )
 METHODS = ("gemm_only", "xla", "xla_windowed", "rs_only", "jaxoverlap")
+# Per-device M x K_local x N of real layers' reduce-scatters at 8192 tokens: attention out-proj and
+# MLP down-proj of 8B- (d 4096, ffn 14336), 70B- (8192, 28672) and 405B-class (16384, 53248)
+# models at tp=2, and one GPU's share of a 70B layer at tp=4.
+LAYER_SHAPES = [
+    (8192, 2048, 4096),
+    (8192, 7168, 4096),
+    (8192, 4096, 8192),
+    (8192, 14336, 8192),
+    (8192, 8192, 16384),
+    (8192, 26624, 16384),
+    (16384, 3584, 4096),
+]
 BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32; bf16 rounds the partials and the sum
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(p, "matmul_reduce_scatter")
-    p.add_argument("--shapes", help="comma-separated MxK_localxN (default: BENCHMARKS.md shapes)")
+    p.add_argument(
+        "--shapes",
+        help="comma-separated MxK_localxN, or 'layers' for real layers' projections (attention "
+        "out and MLP down of 8B/70B/405B-class models at tp=2, one GPU's share at tp=4) "
+        "(default: BENCHMARKS.md shapes)",
+    )
     p.add_argument(
         "--windowed",
         choices=("auto", "on", "off"),
@@ -65,7 +82,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--windowed-child", help=argparse.SUPPRESS)  # internal: JSON path to write
     a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
-    if a.shapes:
+    if a.shapes == "layers":
+        a.shapes = LAYER_SHAPES
+    elif a.shapes:
         a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
     else:
         a.shapes = SMOKE_SHAPES if a.cpu_smoke else SHAPES
