@@ -45,7 +45,8 @@ RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """What a decision depends on. Shapes are per device: x [m, k] (rows flattened), w [k, n]."""
+    """What a decision depends on. matmul_reduce_scatter: x [m, k] (rows flattened) and w [k, n]
+    per device; all_gather_matmul: m = gathered rows (x [m / group, k] per device), w [k, n]."""
 
     op: str
     m: int
@@ -133,24 +134,28 @@ def record(key: Key, entry: dict, path: str | None = None) -> None:
 # ----------------------------------------------------------------------------- decisions
 
 
-def faster(ms, spread, ms_ref, spread_ref) -> bool:
-    """The timing protocol's "faster": lower median by more than the larger spread (>= 2 %)."""
-    return ms < ms_ref * (1.0 - max(NOISE_FLOOR, spread, spread_ref))
+def faster(t, ref) -> bool:
+    """``t`` beats ``ref`` (each ``(median, q1, q3)`` in ms): the median is lower by at least 2 %
+    (BENCHMARKS.md's floor) and the interquartile ranges do not overlap (``t``'s q3 below
+    ``ref``'s q1), so neither a small difference nor one disturbed sample decides."""
+    return t[0] < ref[0] * (1.0 - NOISE_FLOOR) and t[2] < ref[1]
 
 
 def decide(times: dict) -> dict:
-    """From ``{"xla": (ms, spread), (chunks, comm_sms): (ms, spread), ...}`` the entry to record."""
-    ms_x, sp_x = times["xla"]
+    """From ``{"xla": (median, q1, q3), (chunks, comm_sms): (median, q1, q3), ...}`` (ms) the
+    entry to record."""
+    x = times["xla"]
     fused = {c: t for c, t in times.items() if c != "xla"}
     best = min(fused, key=lambda c: fused[c][0]) if fused else None
-    win = best is not None and faster(*fused[best], ms_x, sp_x)
+    win = best is not None and faster(fused[best], x)
+    iqr = lambda t: (t[2] - t[1]) / t[0]  # noqa: E731
     return dict(
         choice="fused" if win else "xla",
         chunks=best[0] if best else None,
         comm_sms=best[1] if best else None,
-        ms_xla=ms_x,
+        ms_xla=x[0],
         ms_fused=fused[best][0] if best else None,
-        spread=max([sp_x] + ([fused[best][1]] if best else [])),
+        spread=max([iqr(x)] + ([iqr(fused[best])] if best else [])),
         candidates={f"{c[0]}x{c[1]}": t[0] for c, t in fused.items()},
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
@@ -160,11 +165,10 @@ def decide(times: dict) -> dict:
 
 
 def _time(fns: dict, samples: int, target_ms: float) -> dict:
-    """name -> (median ms, spread) of round-robin samples, each ~target_ms of back-to-back calls.
-
-    The spread here is the interquartile range over the median: one sample disturbed by
-    something else on the machine must not veto a decision (BENCHMARKS.md's (max - min) /
-    median measured 10-33 % on 7 samples of otherwise stable GEMMs in a tuning run)."""
+    """name -> (median, q1, q3) in ms of round-robin samples, each ~target_ms of back-to-back
+    calls. Quartiles, not (max - min): one sample disturbed by something else on the machine
+    must not veto a decision (BENCHMARKS.md's (max - min) / median read 10-33 % on 7 samples of
+    otherwise stable GEMMs in a tuning run, docs/measurements.md run 17)."""
     import jax
 
     iters = {}
@@ -186,7 +190,7 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
     out = {}
     for name, ts in runs.items():
         q1, med, q3 = statistics.quantiles(ts, n=4, method="inclusive")
-        out[name] = (med, (q3 - q1) / med)
+        out[name] = (med, q1, q3)
     return out
 
 
@@ -330,8 +334,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxoverlap.tune", description=__doc__.split("\n")[0]
     )
+    p.add_argument("--op", default="matmul_reduce_scatter", choices=OPS)
     p.add_argument(
-        "--shapes", help="per-device MxK_localxN of matmul_reduce_scatter, comma-separated"
+        "--shapes",
+        help="comma-separated MxKxN: matmul_reduce_scatter per device x [M, K], w [K, N]; "
+        "all_gather_matmul M gathered rows, K, N_local",
     )
     p.add_argument("--tp", type=int, default=2, help="GPUs in the group (default 2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
