@@ -77,7 +77,7 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t chunk_bytes = mc * K * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
+  if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
@@ -117,6 +117,11 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       for (int k = 0; k < chunks; ++k)
         if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
           return internal(kWhat, e);
+      // Also the plan for an A operand in a staging slot (its alignment may differ from x's):
+      // garbage into the rows of the peer block that the real GEMM below overwrites.
+      const int s = (rank + (int)n - 1) % (int)n;
+      const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
+      if (std::string e = gemm(slot, s * m); !e.empty()) return internal(kWhat, e);
       CK(cudaStreamSynchronize(xla_stream));
       ws->warmed[rank] = true;
       own_done = true;

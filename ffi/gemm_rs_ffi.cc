@@ -59,7 +59,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t block_bytes = m * N * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, block_bytes, true, &ws); !e.empty())
+  if (std::string e = workspace(site, group, rank, block_bytes, true, &ws); !e.empty())
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
@@ -98,11 +98,14 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       return e;
     if (!ws->warmed[rank]) {
       // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
-      // launched. On the GEMM stream after the fork, with that stream's cuBLASLt workspace:
-      // ordered with every other GEMM of the stream; nothing else writes `partials` then.
-      for (const GemmShape* s : {&foreign, &own})
-        if (std::string e = dev->gemm.run(*s, xp, wp, partials, partials, part->gemm); !e.empty())
-          return internal(kWhat, e);
+      // launched, with the pointers' alignments of the real calls (plans depend on them): the
+      // foreign GEMM as below, the own GEMM with C in our memory and D = the output (both are
+      // overwritten below). On the GEMM stream after the fork, with that stream's cuBLASLt
+      // workspace: ordered with every other GEMM of the stream.
+      if (std::string e = dev->gemm.run(foreign, xp, wp, nullptr, partials, part->gemm); !e.empty())
+        return internal(kWhat, e);
+      if (std::string e = dev->gemm.run(own, xp, wp, partials, op, part->gemm); !e.empty())
+        return internal(kWhat, e);
       ws->warmed[rank] = true;
     }
 

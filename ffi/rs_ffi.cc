@@ -46,7 +46,7 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   Workspace* ws;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, block_bytes, false, &ws); !e.empty())
+  if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;

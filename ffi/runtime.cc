@@ -67,6 +67,11 @@ template <typename T>
 struct Cell {
   std::mutex mu;
   std::unique_ptr<T> obj;
+  // Workspaces: a creation that failed for one rank's call fails the same call of every other
+  // rank too (owed[r]), so no rank counts a call its peers never made (the epochs would stay
+  // out of step for good); the next call tries again.
+  std::string error;
+  bool owed[kMaxRanks] = {};
 };
 using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool>;  // site, group, bytes, part.
 std::mutex g_mu;  // guards the maps' structure only (look-up, insertion); no CUDA call under it
@@ -276,6 +281,33 @@ std::string pending_error() {
   return g_pending.empty() ? "" : g_pending.front();
 }
 
+namespace {
+
+// `msg` was reported (taken by check_errors() or refused to a fused call): it leaves g_pending,
+// and the refusals armed with it that no rank has reached yet are cancelled -- or re-armed with
+// the next pending report -- so each failure is raised once, not once per workspace. Under each
+// workspace's seq_mu: a rank either reached the refusal already (then it stands for every rank
+// of that workspace) or never will.
+void delivered(const std::string& msg) {
+  std::string next;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    auto it = std::find(g_pending.begin(), g_pending.end(), msg);
+    if (it != g_pending.end()) g_pending.erase(it);
+    if (!g_pending.empty()) next = g_pending.front();
+  }
+  for_each_workspace([&](Workspace* ws) {
+    if (!ws->refuse_at || ws->refuse_msg != msg) return;
+    bool reached = false;
+    for (int r = 0; r < ws->n; ++r) reached |= (int32_t)(ws->issued[r] - ws->refuse_at) >= 0;
+    if (reached) return;
+    if (next.empty()) ws->refuse_at = 0;
+    else ws->refuse_msg = next;
+  });
+}
+
+}  // namespace
+
 std::string take_error() {
   notice_errors();
   std::string e;
@@ -283,26 +315,21 @@ std::string take_error() {
     std::lock_guard<std::mutex> lock(g_pending_mu);
     if (g_pending.empty()) return "";
     e = g_pending.front();
-    g_pending.erase(g_pending.begin());
-    if (!g_pending.empty()) return e;
   }
-  // Reported here: cancel the refusals no rank has reached yet (under seq_mu, so a rank either
-  // refused already -- then the refusal stands for all -- or never will).
-  for_each_workspace([](Workspace* ws) {
-    bool reached = false;
-    for (int r = 0; r < ws->n; ++r)
-      reached |= (int32_t)(ws->issued[r] - ws->refuse_at) >= 0;
-    if (ws->refuse_at && !reached) ws->refuse_at = 0;
-  });
+  delivered(e);
   return e;
 }
 
 uint32_t begin_call(Workspace* ws, int rank, std::string* refused) {
   notice_errors();
-  std::lock_guard<std::mutex> lock(ws->seq_mu);
-  const uint32_t index = ++ws->issued[rank];
+  uint32_t index;
   refused->clear();
-  if (ws->refuse_at == index) *refused = ws->refuse_msg;
+  {
+    std::lock_guard<std::mutex> lock(ws->seq_mu);
+    index = ++ws->issued[rank];
+    if (ws->refuse_at == index) *refused = ws->refuse_msg;
+  }
+  if (!refused->empty()) delivered(*refused);  // not under seq_mu: delivered() takes them all
   return index;
 }
 
@@ -378,12 +405,16 @@ std::string create_workspace(Workspace* ws, bool with_partials) {
 
 }  // namespace
 
-std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
-                      bool with_partials, Workspace** out) {
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
+                      int64_t block_bytes, bool with_partials, Workspace** out) {
   // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
   // so calls on other workspaces (and their hot paths) never wait for it.
   Cell<Workspace>* c = cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials});
   std::lock_guard<std::mutex> lock(c->mu);
+  if (rank >= 0 && rank < kMaxRanks && c->owed[rank]) {
+    c->owed[rank] = false;
+    return c->error;
+  }
   if (!c->obj) {
     auto ws = std::make_unique<Workspace>();
     ws->n = (int)ordinals.size();
@@ -392,6 +423,8 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t bl
     DeviceGuard guard;
     if (std::string err = create_workspace(ws.get(), with_partials); !err.empty()) {
       free_workspace(ws.get());
+      c->error = err;
+      for (int r = 0; r < ws->n && r < kMaxRanks; ++r) c->owed[r] = r != rank;
       return err;
     }
     c->obj = std::move(ws);

@@ -71,8 +71,9 @@ void report_failure(const std::string& what);
 // previous call's `done[rank]` (recorded on XLA's stream after its finish kernel) before it
 // forks, so calls from different XLA streams never overlap on one workspace and the epochs
 // (Flags::epoch) advance by one per call. Across ranks, calls of one workspace must be issued in
-// the same order (they are within one SPMD program; two programs that share a workspace must
-// not run concurrently from two threads -- different ops or shapes never share one).
+// the same order (they are within one SPMD program; two programs that share a workspace -- any
+// two containing the same op and shapes -- must not run concurrently from two threads: not
+// guarded yet).
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank
@@ -98,8 +99,10 @@ struct Workspace {
 // runs hosts ahead of their GPUs; refusing "the next call" per rank would not be symmetric).
 uint32_t begin_call(Workspace* ws, int rank, std::string* refused);
 
-std::string workspace(int64_t site, const std::vector<int>& ordinals, int64_t block_bytes,
-                      bool with_partials, Workspace** out);
+// The workspace of call kind `site` for `ordinals` (allocated on every member on first use).
+// A creation that fails fails the same call on every rank (`rank`: the caller's), never just one.
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
+                      int64_t block_bytes, bool with_partials, Workspace** out);
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);

@@ -264,7 +264,9 @@ def site_key(table, comm_sms, chunks, kind):
     process knows identically -- the group table, the settings and ``kind`` (the op's target,
     operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
     one workspace (ffi/runtime.h: fresh jit wrappers, unrolled layers of one op); different ops
-    and shapes never do, so two programs run from two threads never share one."""
+    and shapes never do. Two programs that contain the same op and shapes (a train and an eval
+    step) share it too, so they must not run concurrently from two Python threads: their calls
+    could reach the GPUs of the group in different orders (not guarded yet; issue 12 item 6)."""
     text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 

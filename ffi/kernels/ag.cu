@@ -16,8 +16,18 @@ __global__ void ag_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
                                          uint64_t timeout_ns, ErrorRecord* err) {
   const Flags* local = p.flags[p.rank];
   const uint32_t e = local->epoch + 1u;
-  wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, p,
-            {kOpAgGemm, kWaitSlotFree, dst, -1});
+  // The copy behind this kernel runs whatever it returns, so it must not give up on the call's
+  // abort word: `dst` may still be reading the slot for its previous call (a host that failed
+  // this call runs ahead of its GPU). Every counted call releases the slot (failed and refused
+  // ones too, close_call), so only a peer that truly stalls ends this wait -- at the timeout.
+  Peers q = p;
+  q.abort = nullptr;
+  if (!wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
+                 {kOpAgGemm, kWaitSlotFree, dst, -1}) &&
+      p.abort) {
+    *(volatile uint32_t*)p.abort = e;  // timed out: give the call up on every rank now
+    __threadfence_system();
+  }
 }
 
 __global__ void ag_signal_arrival_kernel(const __grid_constant__ Peers p, int dst, int chunk,
