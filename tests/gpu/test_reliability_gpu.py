@@ -146,3 +146,125 @@ def test_handler_rejects_bad_attributes_on_every_rank(gpus):
         line = next((ln for ln in out.splitlines() if ln.startswith(f"CASE {name} ")), "")
         assert "RAISED" in line and text in line, f"{name}: {line or out[-3000:]}"
     assert "AFTER OK" in out, out[-3000:]
+
+
+_REPORT_ONCE_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxoverlap
+    from jaxoverlap import fused
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    cfg = jaxoverlap.Config(backend="fused", timeout_s=1.0)
+    spec = (P(None, "tp"), P("tp", None))
+    def wrap(fn, n_out):
+        out = (P("tp", None),) * n_out
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec * n_out,
+                                     out_specs=out if n_out > 1 else out[0]))
+    rs = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    ref = lambda x, w: lax.psum_scatter(x @ w, "tp", scatter_dimension=0, tiled=True)
+    both = wrap(lambda x, w, x2, w2: (rs(x, w), rs(x2, w2)), 2)  # two workspaces
+    both_ref = wrap(lambda x, w, x2, w2: (ref(x, w), ref(x2, w2)), 2)
+    k = jax.random.split(jax.random.key(0), 4)
+    args = (jax.random.normal(k[0], (1024, 1024), jnp.bfloat16),
+            jax.random.normal(k[1], (1024, 512), jnp.bfloat16) / 32,
+            jax.random.normal(k[2], (512, 2048), jnp.bfloat16),
+            jax.random.normal(k[3], (2048, 1024), jnp.bfloat16) / 45)
+    want = [np.asarray(a, np.float32) for a in both_ref(*args)]
+    def line(tag, fn):
+        try:
+            print(tag, "OK", fn())
+        except Exception as e:
+            print(tag, "RAISED", type(e).__name__, str(e).replace(chr(10), " ")[:300])
+        sys.stdout.flush()
+    def run_both():
+        got = [np.asarray(a, np.float32) for a in both(*args)]
+        return "err=%.3g" % max(np.abs(g - w).max() / np.abs(w).max() for g, w in zip(got, want))
+    line("FIRST", run_both)  # sets both workspaces up
+    with fused._stalled_rank_for_tests(1):
+        one = wrap(rs, 1)
+        one.lower(*args[:2])
+        line("STALLED", lambda: bool(np.isnan(np.asarray(one(*args[:2]), np.float32)).any()))
+    line("REFUSED", run_both)  # the failure, raised once by the program with two workspaces
+    line("AFTER", run_both)
+    line("CHECK", jaxoverlap.check_errors)
+    """
+)
+
+
+def test_a_failure_is_raised_once_across_workspaces(gpus):
+    # A stalled call on one workspace; then a program with two workspaces: its next run raises
+    # the failure (once), the run after it is correct, and check_errors() has nothing left
+    # (before the fix the other workspace refused a second time and check_errors() re-raised).
+    p = subprocess.run(
+        [sys.executable, "-c", _REPORT_ONCE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    out = p.stdout + p.stderr
+    lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines() if " OK" in ln or " RAISED" in ln}
+    assert lines.get("FIRST", "").startswith("FIRST OK err="), out[-3000:]
+    assert lines.get("STALLED", "") == "STALLED OK True", out[-3000:]
+    refused = lines.get("REFUSED", "")
+    assert "RAISED" in refused and "earlier fused call failed" in refused, out[-3000:]
+    after = lines.get("AFTER", "")
+    assert after.startswith("AFTER OK err=") and float(after.split("err=")[1]) < 2e-2, out[-3000:]
+    assert lines.get("CHECK", "") == "CHECK OK None", out[-3000:]
+
+
+_AHEAD_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxoverlap
+    from jaxoverlap import fused
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    cfg = jaxoverlap.Config(backend="fused", timeout_s=60.0)
+    wrap = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                            out_specs=P(None, "tp")))
+    ag = lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", config=cfg)
+    f, ref = wrap(ag), wrap(lambda x, w: lax.all_gather(x, "tp", axis=0, tiled=True) @ w)
+    w = jax.random.normal(jax.random.key(1), (2048, 4096), jnp.bfloat16) / 45
+    xs = [jax.random.normal(jax.random.key(10 + i), (4096, 2048), jnp.bfloat16)
+          for i in range(24)]
+    with fused._failed_rank_for_tests(1):
+        g = wrap(ag)
+        g.lower(xs[0], w)
+    jax.block_until_ready(f(xs[0], w))  # set up
+    outs = [f(x, w) for x in xs]        # dispatched ahead of the GPUs
+    failed = g(xs[0], w)                # rank 1's handler fails while its GPU is still busy
+    after = f(xs[1], w)
+    errs = [float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref(x, w).astype(jnp.float32))))
+            for o, x in zip(outs + [after], xs + [xs[1]])]
+    print("ERRS OK max=%.3g" % max(errs))
+    print("FAILED OK nan=%s" % bool(np.isnan(np.asarray(failed, np.float32)).any()))
+    try:
+        jaxoverlap.check_errors()
+        print("CHECK OK none")
+    except jaxoverlap.FusedCallError as e:
+        print("CHECK RAISED", str(e)[:200].replace(chr(10), " "))
+    """
+)
+
+
+def test_a_host_failure_does_not_corrupt_calls_still_running(gpus):
+    # 24 fused all-gathers dispatched ahead of the GPUs, then a call whose handler fails on
+    # rank 1: every earlier call's result stays right (the copy of the failed call must wait
+    # until the peer's GEMMs of the previous call released the slot), the failed call's output
+    # is NaN and reported, and the call after it is right.
+    p = subprocess.run(
+        [sys.executable, "-c", _AHEAD_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    out = p.stdout + p.stderr
+    errs = next((ln for ln in p.stdout.splitlines() if ln.startswith("ERRS OK")), "")
+    assert errs and float(errs.split("max=")[1]) < 0.1, out[-3000:]
+    assert "FAILED OK nan=True" in p.stdout, out[-3000:]
+    assert "CHECK RAISED" in p.stdout and "test-only failure injected" in p.stdout, out[-3000:]
