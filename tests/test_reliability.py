@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, config, fused, runtime, topology
+from jaxoverlap import Config, config, fused, runtime, tma, topology
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 0, 0.0, -1.0, True, "5", 1e9])
@@ -36,7 +36,7 @@ def test_tma_reduce_scatter_checks_its_timeout():
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     for bad in (math.nan, math.inf, -1.0):
         f = jax.shard_map(
-            lambda v, bad=bad: fused.tma_reduce_scatter(v, "tp", timeout_s=bad),
+            lambda v, bad=bad: tma.tma_reduce_scatter(v, "tp", timeout_s=bad),
             mesh=mesh,
             in_specs=P(None, "tp"),
             out_specs=P("tp"),

@@ -5,7 +5,7 @@ Checks, in order, and stops at the first failure with a sentence saying what is 
   2. `import jaxoverlap` works and initialises no GPU backend;
   3. jaxoverlap.runtime loads the extension and registers its FFI targets with XLA;
   4. on two GPUs, a small fused matmul_reduce_scatter compiles to a jaxoverlap custom call
-     (and no reduce-scatter) and equals the reference; likewise fused.tma_reduce_scatter.
+     (and no reduce-scatter) and equals the reference; likewise tma.tma_reduce_scatter.
 
   PYTHONPATH=. python3 tools/check_native.py
 """
@@ -78,9 +78,10 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
+    from jaxoverlap import tma
+
     mesh = Mesh(np.array(gpus), ("tp",))
-    gemm_rs_target = getattr(fused, "GEMM_RS_TARGET", "jaxoverlap")
-    rs_target = getattr(fused, "RS_TARGET", "jaxoverlap")
+    gemm_rs_target, rs_target = fused.GEMM_RS_TARGET, tma.RS_TARGET
     m, k, n = 1024, 2048, 1024  # global K; per-device 1024x1024 @ 1024x1024
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -123,14 +124,14 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
             return fail("fused all_gather_matmul differs from the reference")
 
     y = jax.random.normal(kx, (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
-    tma = smap(lambda y: fused.tma_reduce_scatter(y, "tp", comm_sms=8), P(None, "tp"))
+    tma_rs = smap(lambda y: tma.tma_reduce_scatter(y, "tp", comm_sms=8), P(None, "tp"))
     nccl = smap(lambda y: lax.psum_scatter(y, "tp", tiled=True), P(None, "tp"))
-    if rs_target not in tma.lower(y).compile().as_text():
+    if rs_target not in tma_rs.lower(y).compile().as_text():
         return fail(f"tma_reduce_scatter HLO lacks {rs_target}")
-    same = bool(jnp.array_equal(tma(y), nccl(y)))
+    same = bool(jnp.array_equal(tma_rs(y), nccl(y)))
     print(f"tma_reduce_scatter comm_sms=8: bitwise equal to NCCL: {same}", flush=True)
     if not same:
-        got, want = (np.asarray(a.astype(jnp.float32)) for a in (tma(y), nccl(y)))
+        got, want = (np.asarray(a.astype(jnp.float32)) for a in (tma_rs(y), nccl(y)))
         err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         print(f"  rel err {err:.2e}")
         if not err < 1e-2:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import fused
+from jaxoverlap import fused, tma
 
 # benchmarks/_common.py: the timing and shard_map helpers the benchmarks use.
 sys.path.insert(
@@ -100,13 +100,11 @@ def rs_rows(mesh, tp, deadline):
             if time.monotonic() > deadline:
                 break
             name = f"{'staged' if prof else 'rpush'}_{k}"
-            f = C.shard_map(
-                lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k), mesh, *spec
-            )
+            f = C.shard_map(lambda v, k=k: tma.tma_reduce_scatter(v, "tp", comm_sms=k), mesh, *spec)
             t = timed(name + "_ms", row, f, ref, (y,), prof, tol=1e-2)
             row[name + "_GBs"] = busbw(t) if t else None
         if not isinstance(row.get("rpush_16_ms"), str):  # bitwise repeatable
-            f = C.shard_map(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16), mesh, *spec)
+            f = C.shard_map(lambda v: tma.tma_reduce_scatter(v, "tp", comm_sms=16), mesh, *spec)
             row["rpush_16_repeatable"] = bool(np.array_equal(np.asarray(f(y)), np.asarray(f(y))))
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import fused, runtime
+from jaxoverlap import fused, runtime, tma
 
 print("native:", runtime.unavailable_reason() or "loaded", flush=True)
 mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -47,7 +47,7 @@ ok &= err < 2e-2
 rs = [
     jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("tp", None)))(x)
     for g in (
-        lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16),
+        lambda v: tma.tma_reduce_scatter(v, "tp", comm_sms=16),
         lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True),
     )
 ]

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import fused
+from jaxoverlap import fused, tma
 
 # benchmarks/_common.py: the timing and shard_map helpers the benchmarks use.
 sys.path.insert(
@@ -120,7 +120,7 @@ def rs_rows(mesh, tp, sms_list, sizes_mb):
         row = dict(MiB=nbytes / 2**20, nccl_ms=t, nccl_busbw=busbw(t))
         for k in sms_list:
             f = C.shard_map(
-                lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k),
+                lambda v, k=k: tma.tma_reduce_scatter(v, "tp", comm_sms=k),
                 mesh,
                 P(None, "tp"),
                 P("tp", None),
@@ -134,7 +134,7 @@ def rs_rows(mesh, tp, sms_list, sizes_mb):
                 row[f"tma_{k}_ms"] = t
                 row[f"tma_{k}_busbw"] = busbw(t)
                 g = C.shard_map(
-                    lambda v, k=k: fused.tma_reduce_scatter(v, "tp", comm_sms=k),
+                    lambda v, k=k: tma.tma_reduce_scatter(v, "tp", comm_sms=k),
                     mesh,
                     P(None, "tp"),
                     P("tp", None),

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused
+from jaxoverlap import Config, fused, tma
 
 pytestmark = pytest.mark.gpu
 
@@ -175,10 +175,10 @@ def test_tma_reduce_scatter(gpus):
             jax.shard_map(fn, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("tp", None))
         )(y)
 
-    got = run(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16))
+    got = run(lambda v: tma.tma_reduce_scatter(v, "tp", comm_sms=16))
     want = run(lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True))
     _close(got, want, jnp.bfloat16)
-    again = run(lambda v: fused.tma_reduce_scatter(v, "tp", comm_sms=16))
+    again = run(lambda v: tma.tma_reduce_scatter(v, "tp", comm_sms=16))
     assert np.array_equal(np.asarray(got), np.asarray(again))
 
 
@@ -188,7 +188,7 @@ _STALL_SCRIPT = textwrap.dedent(
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
     import jaxoverlap
-    from jaxoverlap import fused
+    from jaxoverlap import fused, tma
     kernel, report, fault = sys.argv[1], sys.argv[2], sys.argv[3]
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     # stall: rank 1 never signals, its peer times out after 1 s. fail: rank 1's handler fails
@@ -199,7 +199,7 @@ _STALL_SCRIPT = textwrap.dedent(
     if kernel == "gemm_rs":
         f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
     else:  # the standalone reduce-scatter's schedule (reduce-push at n = 2)
-        f = lambda x, w: fused.tma_reduce_scatter(x @ w, "tp", comm_sms=8, timeout_s=timeout)
+        f = lambda x, w: tma.tma_reduce_scatter(x @ w, "tp", comm_sms=8, timeout_s=timeout)
     ref = lambda x, w: lax.psum_scatter(x @ w, "tp", scatter_dimension=0, tiled=True)
     wrap = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                                             out_specs=P("tp", None)))
