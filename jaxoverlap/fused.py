@@ -16,8 +16,9 @@ Contract with `jaxoverlap/ops/*` (the only callers):
 
 What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimension=0`` (rows of
 the flattened ``[..., K]`` input) and ``all_gather_matmul`` with ``gather_dimension=0`` (each
-rank's ``x`` is one contiguous block of rows of the gathered input), bf16 or f16, 2..8 GPUs of
-one process with peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk
+rank's ``x`` is one contiguous block of rows of the gathered input), and ``matmul_all_reduce``
+as the fused reduce-scatter over rows followed by XLA's all-gather; bf16 or f16, 2..8 GPUs of
+one process with NVLink peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk
 times ``K`` and times ``N`` multiples of 128 elements (every GEMM operand 256-byte aligned).
 
 The standalone TMA reduce-scatter of the benchmarks is in `jaxoverlap.tma`.
@@ -103,14 +104,18 @@ def _auto_reason(op, m, k, n_cols, dtype, n):
             f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
             f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
         )
-    rule = auto_predicts_win if op == "matmul_reduce_scatter" else ag_auto_predicts_win
+    rules = {
+        "matmul_reduce_scatter": (auto_predicts_win, "tp=2, M>=2048, N>=4096, 4096<=K<=8192"),
+        "all_gather_matmul": (
+            ag_auto_predicts_win,
+            "tp=2, gathered M >= 4096, K >= 4096, N_local >= 2048",
+        ),
+        # The fused reduce-scatter followed by XLA's all-gather: never measured, so no rule.
+        "matmul_all_reduce": (lambda *_: False, "none: never measured"),
+    }
+    rule, what = rules[op]
     if rule(m, k, n_cols, n):
         return None
-    what = (
-        "tp=2, M>=2048, N>=4096, 4096<=K<=8192"
-        if op == "matmul_reduce_scatter"
-        else "tp=2, gathered M >= 4096, K >= 4096, N_local >= 2048"
-    )
     return (
         f"backend='auto': {shape} is untuned and outside the conservative rule ({what}); run "
         f"`python -m jaxoverlap.tune --op {op} --shapes {m}x{k}x{n_cols} --tp {n}` to measure it"
@@ -181,13 +186,13 @@ def choose_chunks(m, k, n_cols, requested=None):
     return None
 
 
-_FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul")
+_FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 
 def unsupported_reason(op, x, w, params, axis_size):
     """Trace-time check; see the module docstring."""
     if op not in _FUSED_OPS:
-        return f"{op} has no fused GPU kernel in this version (only {' and '.join(_FUSED_OPS)})"
+        return f"{op} has no fused GPU kernel in this version (only {', '.join(_FUSED_OPS)})"
     why = runtime.unavailable_reason()
     if why:
         return why
@@ -287,6 +292,8 @@ def lower(op, ctx, x, w, params):
     config = params["config"]
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
     runtime.register_targets()
+    if op == "matmul_all_reduce":
+        return _lower_all_reduce(ctx, x, w, params)
     if op == "all_gather_matmul":
         entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
@@ -307,3 +314,36 @@ def lower(op, ctx, x, w, params):
     kind = (GEMM_RS_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
     attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind)
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
+
+
+def _lower_all_reduce(ctx, x, w, params):
+    """``psum(x @ w)`` as the fused GEMM + reduce-scatter over rows followed by XLA's all-gather
+    of the reduced rows (a ring all-reduce is a reduce-scatter then an all-gather: the first
+    half of the traffic hides behind the GEMM, the second half does not). Its settings and the
+    decision are the tuner's for this op and shape."""
+    import dataclasses
+
+    from jax import lax
+    from jax.interpreters import mlir
+
+    from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
+
+    axis = params["axis_name"]
+    config = params["config"]
+    x_aval, w_aval = ctx.avals_in
+    entry = tuned(
+        "matmul_all_reduce", _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1],
+        x_aval.dtype, math.prod(ctx.module_context.axis_context.mesh.shape[a] for a in axis),
+    )  # fmt: skip
+    inner = dataclasses.replace(
+        config,
+        backend="fused",
+        chunks=config.chunks or (entry["chunks"] if entry else None),
+        comm_sms=config.comm_sms or (entry["comm_sms"] if entry else None),
+    )
+
+    def fn(x, w):
+        y = matmul_reduce_scatter_p.bind(x, w, axis_name=axis, scatter_dimension=0, config=inner)
+        return lax.all_gather(y, axis, axis=0, tiled=True)
+
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)

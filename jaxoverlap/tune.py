@@ -45,8 +45,9 @@ RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """What a decision depends on. matmul_reduce_scatter: x [m, k] (rows flattened) and w [k, n]
-    per device; all_gather_matmul: m = gathered rows (x [m / group, k] per device), w [k, n]."""
+    """What a decision depends on. matmul_reduce_scatter and matmul_all_reduce: x [m, k] (rows
+    flattened) and w [k, n] per device; all_gather_matmul: m = gathered rows (x [m / group, k]
+    per device), w [k, n]."""
 
     op: str
     m: int
@@ -194,20 +195,20 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
     return out
 
 
-OPS = ("matmul_reduce_scatter", "all_gather_matmul")
+OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 
 def candidates(op):
     """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
-    if op == "matmul_reduce_scatter":
+    if op != "all_gather_matmul":  # the all-reduce is the fused reduce-scatter + an all-gather
         return RS_CANDIDATES
     return tuple((c, None) for c in (1, 2, 4))
 
 
 def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, save=True):
-    """Tunes ``op`` on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter x [m, k] and
-    w [k, n] per device; all_gather_matmul m gathered rows, x [m / group, k], w [k, n] per
-    device."""
+    """Tunes ``op`` on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter and
+    matmul_all_reduce x [m, k] and w [k, n] per device; all_gather_matmul m gathered rows,
+    x [m / group, k], w [k, n] per device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -224,14 +225,14 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
         raise RuntimeError(f"jaxoverlap.tune: needs {group} GPUs, found {devices}")
     mesh = Mesh(np.array(devices[:group]), ("tp",))
     dt = jnp.dtype(dtype)
-    rs = op == "matmul_reduce_scatter"
-    # Global operands: RS contracts a K split over the group; AG gathers rows, splits w's N.
+    rs = op != "all_gather_matmul"
+    # Global operands: RS and AR contract a K split over the group; AG gathers rows, splits N.
     xg, wg = ((m, k * group), (k * group, n)) if rs else ((m, k), (k, n * group))
-    specs = (
-        (P(None, "tp"), P("tp", None), P("tp", None))
-        if rs
-        else (P("tp", None), P(None, "tp"), P(None, "tp"))
-    )
+    specs = {
+        "matmul_reduce_scatter": (P(None, "tp"), P("tp", None), P("tp", None)),
+        "matmul_all_reduce": (P(None, "tp"), P("tp", None), P()),
+        "all_gather_matmul": (P("tp", None), P(None, "tp"), P(None, "tp")),
+    }[op]
     kx, kw = jax.random.split(jax.random.key(m * 7 + k * 3 + n))
     x = jax.random.normal(kx, xg, jnp.float32).astype(dt)
     w = (jax.random.normal(kw, wg, jnp.float32) / np.sqrt(wg[0])).astype(dt)

@@ -35,10 +35,39 @@ def native_ok(monkeypatch):
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
 
 
-def test_other_ops_are_not_fused(native_ok):
-    params = dict(axis_name=("tp",), gather_dimension=0, config=Config(backend="fused"))
-    why = fused.unsupported_reason("matmul_all_reduce", _aval((8, 8)), _aval((8, 8)), params, 2)
-    assert "matmul_all_reduce" in why and "no fused GPU kernel" in why
+def test_all_reduce_fuses_only_when_asked_or_tuned(native_ok, monkeypatch):
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    x, w = _aval((8192, 4096)), _aval((4096, 8192))
+
+    def reason(backend):
+        params = dict(axis_name=("tp",), config=Config(backend=backend))
+        return fused.unsupported_reason("matmul_all_reduce", x, w, params, 2)
+
+    assert reason("fused") is None
+    assert "never measured" in reason("auto") and "--op matmul_all_reduce" in reason("auto")
+    entry = dict(choice="fused", chunks=2, comm_sms=4, ms_xla=1.0, ms_fused=0.8)
+    monkeypatch.setattr(fused, "tuned", lambda *a: entry)
+    assert reason("auto") is None
+    params = dict(axis_name=("tp",), config=Config(backend="fused"))
+    odd = fused.unsupported_reason(
+        "matmul_all_reduce", _aval((4097, 512)), _aval((512, 8)), params, 2
+    )
+    assert "not divisible by the group size" in odd
+
+
+def test_cuda_lowering_of_all_reduce_is_fused_rs_then_all_gather(monkeypatch, lowering_only):
+    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def body(x, w):
+        return jaxoverlap.matmul_all_reduce(x, w, "tp", config=Config(backend="fused"))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P()))
+    x = jax.ShapeDtypeStruct((1024, 2 * 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 256, 384), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert len([ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]) == 1
+    assert "all_gather" in text and "all_reduce" not in text
 
 
 def test_reasons(native_ok):
