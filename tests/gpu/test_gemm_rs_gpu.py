@@ -163,6 +163,26 @@ def test_two_calls_in_one_program_and_hlo(gpus):
     _close(y2, ref(2 * x, w), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("m, k_local, n", [(1024, 512, 768), (4096, 4096, 4096)])
+def test_all_reduce_is_fused_rs_then_all_gather(gpus, m, k_local, n):
+    """matmul_all_reduce with backend="fused": the fused GEMM + reduce-scatter, then XLA's
+    all-gather; equals psum(x @ w) on both GPUs; the HLO has no all-reduce."""
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, m, k_local, n, jnp.bfloat16)
+
+    def make(config):
+        body = lambda x, w: jaxoverlap.matmul_all_reduce(x, w, "tp", config=config)  # noqa: E731
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+        )
+
+    got, want = make(FUSED)(x, w), make(XLA)(x, w)
+    _close(got, want, jnp.bfloat16)
+    hlo = make(FUSED).lower(x, w).compile().as_text()
+    assert f'custom_call_target="{fused.GEMM_RS_TARGET}"' in hlo
+    assert "all-gather" in hlo and "all-reduce" not in hlo
+
+
 def test_tma_reduce_scatter(gpus):
     mesh = _mesh(gpus)
     y = jax.device_put(
