@@ -18,8 +18,9 @@ What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimensio
 the flattened ``[..., K]`` input) and ``all_gather_matmul`` with ``gather_dimension=0`` (each
 rank's ``x`` is one contiguous block of rows of the gathered input), and ``matmul_all_reduce``
 as the fused reduce-scatter over rows followed by XLA's all-gather; bf16 or f16, 2..8 GPUs of
-one process with NVLink peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk
-times ``K`` and times ``N`` multiples of 128 elements (every GEMM operand 256-byte aligned).
+one process with NVLink peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank
+per chunk times ``K`` and times ``N`` multiples of 128 elements (every GEMM operand 256-byte
+aligned).
 
 The standalone TMA reduce-scatter of the benchmarks is in `jaxoverlap.tma`.
 """
