@@ -10,3 +10,30 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+
+import pytest  # noqa: E402  (after the XLA flag above)
+
+# What CUDA reports for an NVLink peer (native peer atomics) -- see jaxoverlap.topology.
+NVLINK = {"access": True, "native_atomics": True, "performance_rank": 0}
+
+
+@pytest.fixture
+def native_ok(monkeypatch):
+    """Trace-time decisions as if the native extension were built and loadable."""
+    from jaxoverlap import runtime
+
+    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
+
+
+@pytest.fixture
+def lowering_only(monkeypatch, native_ok):
+    """Lowering for CUDA needs no GPU and no loaded extension (the custom call is emitted by
+    name): stand in for the extension and the device queries (Hopper GPUs joined by NVLink)."""
+    from jaxoverlap import runtime
+
+    monkeypatch.setattr(runtime, "native", lambda: object())
+    monkeypatch.setattr(runtime, "register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
+    monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)

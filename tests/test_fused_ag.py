@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, runtime
+from jaxoverlap import Config, fused
 
 OP = "all_gather_matmul"
 FUSED = Config(backend="fused")
@@ -25,11 +25,6 @@ def _aval(shape, dtype=jnp.bfloat16):
 def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, dim=0, **cfg):
     params = dict(axis_name=("tp",), gather_dimension=dim, config=Config(**cfg))
     return fused.unsupported_reason(OP, _aval(x_shape, dtype), _aval(w_shape, dtype), params, n)
-
-
-@pytest.fixture
-def native_ok(monkeypatch):
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
 
 
 def test_reasons(native_ok):
@@ -70,18 +65,6 @@ def test_public_function_raises_with_the_reason(native_ok):
     x = jnp.zeros((4, 256, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="gathers dimension 0 only"):
         jax.jit(f).trace(x, jnp.zeros((64, 128), jnp.bfloat16))
-
-
-@pytest.fixture
-def lowering_only(monkeypatch):
-    """Stand in for the extension: lowering for CUDA emits the custom call by name."""
-    monkeypatch.setattr(runtime, "native", lambda: object())
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
-    nvlink = {"access": True, "native_atomics": True, "performance_rank": 0}
-    monkeypatch.setattr(runtime, "peer_link", lambda a, b: nvlink)
 
 
 def _calls(text, target):

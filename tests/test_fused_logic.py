@@ -18,7 +18,6 @@ import jaxoverlap
 from jaxoverlap import Config, fused, runtime
 
 OP = "matmul_reduce_scatter"
-NVLINK = {"access": True, "native_atomics": True, "performance_rank": 0}
 
 
 def _aval(shape, dtype=jnp.bfloat16):
@@ -28,11 +27,6 @@ def _aval(shape, dtype=jnp.bfloat16):
 def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, **cfg):
     params = dict(axis_name=("tp",), scatter_dimension=0, config=Config(**cfg))
     return fused.unsupported_reason(OP, _aval(x_shape, dtype), _aval(w_shape, dtype), params, n)
-
-
-@pytest.fixture
-def native_ok(monkeypatch):
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
 
 
 def test_all_reduce_fuses_only_when_asked_or_tuned(native_ok, monkeypatch):
@@ -132,17 +126,6 @@ def test_import_initialises_nothing_native():
         "assert not any(m.startswith('jax_cuda') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@pytest.fixture
-def lowering_only(monkeypatch):
-    """Lowering for CUDA needs no GPU and no loaded extension (the custom call is emitted by
-    name): stand in for the extension so these run on any CI machine."""
-    monkeypatch.setattr(runtime, "native", lambda: object())
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
-    monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)
 
 
 def test_cuda_lowering_emits_the_custom_call(monkeypatch, lowering_only):

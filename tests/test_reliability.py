@@ -52,14 +52,8 @@ PCIE = {"access": True, "native_atomics": False, "performance_rank": 1}
 
 
 @pytest.fixture
-def cuda_lowering(monkeypatch):
-    """Lower for CUDA on fake CPU devices with the native queries patched."""
-    monkeypatch.setattr(runtime, "native", lambda: object())
-    monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(runtime, "register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
-    monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)
+def cuda_lowering(lowering_only):
+    """Lower for CUDA on fake CPU devices with the native queries patched (conftest)."""
 
     def lower(backend, shape=(8192, 2 * 4096), n_cols=8192):
         mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
