@@ -247,7 +247,8 @@ def matmul(x, w, *, out_sharding=None, config: Config | None = None):
     if mesh is not None:
         return _explicit_matmul(mesh, x, w, out_spec, config)
     y = _matmul(x, w, config)
-    return y if out_spec is None else lax.with_sharding_constraint(y, out_spec)
+    # A NamedSharding carries its mesh; a bare PartitionSpec needs the context mesh.
+    return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
 
 
 def _explicit_mesh(x, w):

@@ -122,6 +122,7 @@ def _run(args, timeout=240):
 def test_example_trains_plain_and_overlapped_alike():
     out = _run(["examples/transformer_layer.py", "--steps", "3", "--d-model", "64", "--ffn", "128"])
     assert "max relative loss difference plain vs overlap" in out
+    assert "plain vs jit" in out and "plain vs matmul" in out
     assert "plain    losses" in out and "overlap  losses" in out
 
 

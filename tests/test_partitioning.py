@@ -248,3 +248,18 @@ def test_vmap(picked):
     want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), (0, 1))(xn, wn[0])
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_out_sharding_as_named_sharding_needs_no_context_mesh():
+    """``out_sharding=NamedSharding(...)`` carries its mesh: no ``jax.set_mesh`` needed (it
+    raised "requires a non-empty mesh in context" before)."""
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    x = jax.device_put(
+        jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 32) / 100,
+        NamedSharding(mesh, P(None, "tp")),
+    )
+    w = jax.device_put(jnp.ones((32, 8), jnp.float32), NamedSharding(mesh, P("tp", None)))
+    out = NamedSharding(mesh, P("tp", None))
+    y = jax.jit(lambda x, w: matmul(x, w, out_sharding=out))(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5)
+    assert y.sharding.spec in (P("tp"), P("tp", None))
