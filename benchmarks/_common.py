@@ -29,6 +29,12 @@ for _var, _val in (
 ):
     os.environ.setdefault(_var, _val)
 
+# XLA's own collective matmul (windowed einsum), BENCHMARKS.md's `xla_windowed` anchor. Flags are
+# read at start-up: a child process gets them.
+WINDOWED_FLAGS = (
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+)
+
 # The BENCHMARKS.md shapes, M x K_local x N (also swept by tools/tune_gemm_rs.py).
 SHAPES = [
     (8192, 4096, 8192),

@@ -36,9 +36,7 @@ import _common as C
 
 SHAPES = C.SHAPES
 SMOKE_SHAPES = [(64, 32, 48), (128, 64, 64)]
-WINDOWED_FLAGS = (
-    "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
-)
+WINDOWED_FLAGS = C.WINDOWED_FLAGS
 METHODS = ("gemm_only", "xla", "xla_windowed", "rs_only", "jaxoverlap")
 # Per-device M x K_local x N of real layers' reduce-scatters at 8192 tokens: attention out-proj and
 # MLP down-proj of 8B- (d 4096, ffn 14336), 70B- (8192, 28672) and 405B-class (16384, 53248)

@@ -11,6 +11,9 @@ parameter:
 - `fused`: the same with `backend="fused"` where every rewritten op can run fused (optional);
 - `overlap_xla`: the rewrite with `backend="xla"` (the ops' reference path: what the rewrite
   costs by itself);
+- `jit` / `matmul` (optional): the same model as global-view jit code (sharding constraints), with
+  plain ``@`` or with `jaxoverlap.matmul`; with ``--windowed``, a child process times `plain` and
+  `jit` under XLA's collective-matmul flags (`jit_windowed`: XLA's own overlap, the anchor);
 - `nocomm`: the bound -- every collective replaced by a local stand-in of the same shapes behind
   `lax.optimization_barrier` (gather = tile, scatter = sum of the row blocks; their transposes are
   local too), so XLA computes the same GEMMs with no communication.
@@ -43,7 +46,7 @@ SIZES = {
     "70b-tp8share": (8192, 16, 7168),
 }
 SMOKE_SIZES = {"smoke": (256, 8, 512)}
-VARIANTS = ("plain", "jaxoverlap", "fused", "overlap_xla", "nocomm")
+VARIANTS = ("plain", "jaxoverlap", "fused", "overlap_xla", "nocomm", "jit", "matmul")
 
 
 def parse_args(argv=None):
@@ -63,6 +66,11 @@ def parse_args(argv=None):
         choices=["xla", "cudnn"],
         help="dot_product_attention implementation (default: JAX's pick; cudnn crashed XLA's "
         "compiler on this layer with jax 0.11.2, docs/measurements.md)",
+    )
+    p.add_argument(
+        "--windowed",
+        action="store_true",
+        help="also time the jit form under XLA's collective-matmul flags (child process)",
     )
     p.add_argument("--profile-dir", help="write a jax.profiler trace of plain and jaxoverlap")
     p.add_argument("--hlo-dir", help="write the compiled HLO of every variant")
@@ -121,6 +129,8 @@ def step_fns(jax, mesh, tp, dims, variants, jo):
         "fused": jo.overlap(plain, config=jo.Config(backend="fused")),
         "overlap_xla": jo.overlap(plain, config=jo.Config(backend="xla")),
         "nocomm": L.make_model(dims, mesh, comm=no_comm(tp)),
+        "jit": L.make_global_model(dims, mesh, use_jaxoverlap=False),
+        "matmul": L.make_global_model(dims, mesh, use_jaxoverlap=True),
     }
     return {v: jax.jit(jax.value_and_grad(L.loss_fn(models[v]))) for v in variants}
 
@@ -219,6 +229,31 @@ def profile(jax, fns, args_, path):
     print(f"wrote a profiler trace to {path}")
 
 
+def run_windowed_child(args, seed):
+    """plain and jit of every size under XLA's collective-matmul flags, in a fresh process
+    started before this one touches a GPU; size -> ms."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", tmp]
+        cmd += ["--name", "child", "--variants", "plain,jit", "--seed", str(seed)]
+        cmd += ["--sizes", ",".join(args.size_names), "--tokens", str(args.tokens)]
+        cmd += ["--seq", str(args.seq), "--samples", str(args.samples)]
+        cmd += ["--target-ms", str(args.target_ms)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+        cmd += ["--tp", str(args.tp)] if args.tp else []
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {C.WINDOWED_FLAGS}")
+        print(f"windowed: child process with XLA_FLAGS={env['XLA_FLAGS'].strip()!r}", flush=True)
+        r = subprocess.run(cmd, env=env, timeout=900)
+        path = os.path.join(tmp, "child.json")
+        if r.returncode != 0 or not os.path.exists(path):
+            print(f"windowed child failed (exit status {r.returncode})", flush=True)
+            return {}
+        with open(path) as f:
+            return {row["size"]: row["ms"] for row in json.load(f)["rows"]}
+
+
 def report(rows, stand_in=False):
     headers = ["size", "tokens", "plain", "jaxoverlap", "overlap_xla", "nocomm", "plain_again"]
     headers += ["speedup", "bound", "hidden", "sites", "note"]
@@ -268,10 +303,16 @@ def plot(rows, path, title):
 def main(argv=None):
     args = parse_args(argv)
     seed = C.fresh_seed(args.seed)
+    windowed = run_windowed_child(args, seed) if args.windowed else {}
     jax, mesh, tp, info = C.start(args, seed)
     jo = C.import_jaxoverlap()
 
     def done(row):
+        if row["size"] in windowed:
+            w = windowed[row["size"]]
+            row["ms"]["plain_windowed_run"], row["ms"]["jit_windowed"] = w["plain"], w["jit"]
+            print(f"  XLA collective matmul (child run): plain {w['plain']:.3f} ms, jit "
+                  f"{w['jit']:.3f} ms ({w['plain'] / w['jit']:.3f}x)", flush=True)  # fmt: skip
         print(report([row]).split("\n")[2], flush=True)
 
     rows, crashed = C.measure_rows(
