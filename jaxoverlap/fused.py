@@ -201,9 +201,14 @@ def unsupported_reason(op, x, w, params, axis_size):
         return f"the fused kernel supports bfloat16 and float16, not {x.dtype}"
     gather = op == "all_gather_matmul"
     dim = params.get("gather_dimension" if gather else "scatter_dimension", 0)
-    if dim != 0:
+    # Size-1 dimensions before the scattered/gathered one leave its blocks contiguous rows of
+    # x[..., K] ([1, S, D] sequence parallelism): the same kernel.
+    if dim != 0 and (dim >= x.ndim - 1 or math.prod(x.shape[:dim]) != 1):
         verb = "gathers" if gather else "scatters"
-        return f"the fused kernel {verb} dimension 0 only (rows of x[..., K])"
+        return (
+            f"the fused kernel {verb} dimension 0 only, or a later one after size-1 dimensions "
+            f"(blocks of rows of x[..., K]); dimension {dim} of x{tuple(x.shape)} is not"
+        )
     n = int(axis_size)
     if not 2 <= n <= topology.MAX_GROUP:
         return f"group size {n} is outside 2..{topology.MAX_GROUP}"
@@ -215,8 +220,8 @@ def unsupported_reason(op, x, w, params, axis_size):
         return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
     if m_total == 0:
         return "x has no rows"
-    if not gather and x.shape[0] % n:
-        return f"dimension 0 ({x.shape[0]}) is not divisible by the group size {n}"
+    if not gather and x.shape[dim] % n:
+        return f"dimension {dim} ({x.shape[dim]}) is not divisible by the group size {n}"
     m = m_total if gather else m_total // n  # rows of one rank's block
     config = params["config"]
     chunks = choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))

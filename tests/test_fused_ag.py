@@ -38,6 +38,7 @@ def test_reasons(native_ok):
     assert "alignment" in _reason((512, 512), (512, 768), backend="fused", chunks=3)
     assert "outside 2..8" in _reason((512, 512), (512, 768), n=16, backend="fused")
     assert "gathers dimension 0 only" in _reason((4, 384, 512), (512, 512), dim=1)
+    assert _reason((1, 384, 512), (512, 512), dim=1, backend="fused") is None  # [1, S, D]
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
 

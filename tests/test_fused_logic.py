@@ -74,6 +74,14 @@ def test_reasons(native_ok):
     params = dict(axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"))
     why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2)
     assert "dimension 0 only" in why
+    # Size-1 dimensions before the scattered one: still blocks of rows ([1, S, D] layouts).
+    assert fused.unsupported_reason(OP, _aval((1, 1024, 512)), _aval((512, 768)), params, 2) is None
+    why = fused.unsupported_reason(OP, _aval((2, 1024, 512)), _aval((512, 768)), params, 2)
+    assert "dimension 1 of x(2, 1024, 512) is not" in why
+    params_n = dict(params, scatter_dimension=2)  # N: never rows
+    assert "dimension 0 only" in fused.unsupported_reason(
+        OP, _aval((1, 1024, 512)), _aval((512, 768)), params_n, 2
+    )
     assert "rank 1" in _reason((512,), (512, 768), backend="fused")
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
@@ -170,3 +178,27 @@ def test_cuda_lowering_falls_back_without_peer_access(monkeypatch, lowering_only
     w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="cannot access GPU"):
         f.trace(x, w).lower(lowering_platforms=("cuda",))
+
+
+def test_cuda_lowering_fuses_a_middle_dimension_after_size_1_dims(lowering_only):
+    """[1, S, K] sequence parallelism (batch 1): the scattered S blocks are rows of x[..., K]."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def body(x, w):
+        cfg = Config(backend="fused")
+        y = jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=1, config=cfg)
+        return jaxoverlap.all_gather_matmul(y, w.T[:, :256], "tp", gather_dimension=1, config=cfg)
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, None, "tp"), P("tp", None)),
+            out_specs=P(None, None, "tp"),
+        )
+    )
+    x = jax.ShapeDtypeStruct((1, 1024, 2 * 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 256, 512), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"@{fused.GEMM_RS_TARGET}" in text and f"@{fused.AG_GEMM_TARGET}" in text
+    assert "reduce_scatter" not in text and "all_gather" not in text

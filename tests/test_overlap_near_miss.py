@@ -161,6 +161,6 @@ def test_explain_path_comes_from_the_fused_module(monkeypatch):
     )
     (c,) = explain(f, x, w)
     assert c.rewritten, c
-    assert c.path == "reference: the fused kernel scatters dimension 0 only (rows of x[..., K])"
+    assert c.path.startswith("reference: the fused kernel scatters dimension 0 only"), c.path
     (c,) = explain(overlap(f, config=jaxoverlap.Config(backend="xla")), x, w)
     assert c.path == "reference: backend='xla'", c.path

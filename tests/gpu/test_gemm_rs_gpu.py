@@ -183,6 +183,28 @@ def test_all_reduce_is_fused_rs_then_all_gather(gpus, m, k_local, n):
     assert "all-gather" in hlo and "all-reduce" not in hlo
 
 
+def test_middle_dimension_after_size_1_dims(gpus):
+    """[1, S, K] sequence parallelism: scatter and gather dimension 1 run the fused kernels
+    (their blocks are rows of x[..., K]) and equal XLA's."""
+    mesh = _mesh(gpus)
+    x, w = _inputs(mesh, 2048, 1024, 1024, jnp.bfloat16, batch=(1,))  # x [1, 2048, 2048]
+
+    def make(config):
+        def body(x, w):
+            y = jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=1, config=config)
+            wt = jnp.transpose(w)  # [N, K_local]: gather the scattered rows back
+            return jaxoverlap.all_gather_matmul(y, wt, "tp", gather_dimension=1, config=config)
+
+        specs = dict(in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P(None, None, "tp"))
+        return jax.jit(jax.shard_map(body, mesh=mesh, **specs))
+
+    _close(make(FUSED)(x, w), make(XLA)(x, w), jnp.bfloat16)
+    hlo = make(FUSED).lower(x, w).compile().as_text()
+    assert f'custom_call_target="{fused.GEMM_RS_TARGET}"' in hlo
+    assert f'custom_call_target="{fused.AG_GEMM_TARGET}"' in hlo
+    assert "reduce-scatter" not in hlo and "all-gather" not in hlo
+
+
 def test_tma_reduce_scatter(gpus):
     mesh = _mesh(gpus)
     y = jax.device_put(
