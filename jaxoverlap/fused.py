@@ -299,7 +299,7 @@ def lower(op, ctx, x, w, params):
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
     runtime.register_targets()
     if op == "matmul_all_reduce":
-        return _lower_all_reduce(ctx, x, w, params)
+        return _lower_all_reduce(ctx, x, w, params, table.n)
     if op == "all_gather_matmul":
         entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
@@ -322,7 +322,7 @@ def lower(op, ctx, x, w, params):
     return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
 
 
-def _lower_all_reduce(ctx, x, w, params):
+def _lower_all_reduce(ctx, x, w, params, n):
     """``psum(x @ w)`` as the fused GEMM + reduce-scatter over rows followed by XLA's all-gather
     of the reduced rows (a ring all-reduce is a reduce-scatter then an all-gather: the first
     half of the traffic hides behind the GEMM, the second half does not). Its settings and the
@@ -337,10 +337,8 @@ def _lower_all_reduce(ctx, x, w, params):
     axis = params["axis_name"]
     config = params["config"]
     x_aval, w_aval = ctx.avals_in
-    entry = tuned(
-        "matmul_all_reduce", _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1],
-        x_aval.dtype, math.prod(ctx.module_context.axis_context.mesh.shape[a] for a in axis),
-    )  # fmt: skip
+    m, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
+    entry = tuned("matmul_all_reduce", m, k, n_cols, x_aval.dtype, n)
     inner = dataclasses.replace(
         config,
         backend="fused",
