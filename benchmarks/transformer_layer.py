@@ -68,6 +68,11 @@ def parse_args(argv=None):
         "compiler on this layer with jax 0.11.2, docs/measurements.md)",
     )
     p.add_argument(
+        "--fused-proj",
+        action="store_true",
+        help="one Q/K/V weight and one gate/up weight (as many models store them)",
+    )
+    p.add_argument(
         "--windowed",
         action="store_true",
         help="also time the jit form under XLA's collective-matmul flags (child process)",
@@ -86,6 +91,8 @@ def parse_args(argv=None):
         p.error(f"--variants: unknown {bad} (known: {VARIANTS})")
     if "plain" not in a.variants:
         a.variants.insert(0, "plain")
+    if a.fused_proj and {"jit", "matmul"} & set(a.variants):
+        p.error("--fused-proj: the jit/matmul variants use separate weights")
     if a.cpu_smoke:
         a.tokens = min(a.tokens, 256)
     return a
@@ -143,12 +150,15 @@ def measure_size(jax, mesh, tp, name, size, args, seed, jo):
     seq = min(args.seq, args.tokens)
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
     attention = args.attention
-    dims = L.Dims(d, heads, ffn, seq, batch=args.tokens // seq, layers=1, attention=attention)
+    dims = L.Dims(
+        d, heads, ffn, seq, batch=args.tokens // seq, layers=1, attention=attention,
+        fused_proj=args.fused_proj,
+    )  # fmt: skip
     k_p, k_x, k_y = jax.random.split(jax.random.key(seed), 3)
     params = L.init_params(dims, k_p, dtype)
     x = jax.random.normal(k_x, (dims.tokens, d), jnp.float32).astype(dtype)
     y = jax.random.normal(k_y, (dims.tokens, d), jnp.float32).astype(dtype)
-    args_ = L.place(mesh, params, x, y)
+    args_ = L.place(mesh, params, x, y, dims)
     fns = step_fns(jax, mesh, tp, dims, args.variants, jo)
     tuned = {}
     if args.tune:

@@ -58,6 +58,9 @@ class Dims:
     batch: int = 1
     layers: int = 1
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's pick)
+    # One [D, 3, D] Q/K/V weight and one [D, 2, F] gate/up weight (as many models store them)
+    # instead of separate ones; shard_map variants only.
+    fused_proj: bool = False
 
     @property
     def head_dim(self):
@@ -96,26 +99,39 @@ def layer(dims: Dims, x, p, comm=PLAIN):
     gather, scatter = comm
     b, s, dh = dims.batch, dims.seq, dims.head_dim
     h = gather(rms_norm(x, p["g1"]))  # [T, D]
-    q, k, v = (
-        (h @ p[name]).reshape(b, s, -1, dh) for name in ("wq", "wk", "wv")
-    )  # [B, S, H_local, Dh]
+    if dims.fused_proj:  # wqkv [D, 3, H_local * Dh]: one matmul, split after
+        qkv = (h @ p["wqkv"].reshape(h.shape[-1], -1)).reshape(b * s, 3, -1)
+        q, k, v = (qkv[:, i].reshape(b, s, -1, dh) for i in range(3))
+    else:
+        q, k, v = (
+            (h @ p[name]).reshape(b, s, -1, dh) for name in ("wq", "wk", "wv")
+        )  # [B, S, H_local, Dh]
     a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=dims.attention)
     a = a.reshape(b * s, -1)
     x = x + scatter(a @ p["wo"])
     h = gather(rms_norm(x, p["g2"]))
-    m = jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])
+    if dims.fused_proj:  # wgu [D, 2, F_local]
+        gu = (h @ p["wgu"].reshape(h.shape[-1], -1)).reshape(h.shape[0], 2, -1)
+        m = jax.nn.silu(gu[:, 0]) * gu[:, 1]
+    else:
+        m = jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])
     return x + scatter(m @ p["wd"])
 
 
-def param_specs():
+def param_specs(dims: Dims | None = None):
     """PartitionSpecs of the stacked [layers, ...] parameters over the "tp" axis."""
     col, row, rep = P(None, None, AXIS), P(None, AXIS, None), P(None, None)
+    if dims is not None and dims.fused_proj:
+        col3 = P(None, None, None, AXIS)  # [L, D, 3 | 2, N]: every device gets its q, k, v
+        return dict(wqkv=col3, wo=row, wgu=col3, wd=row, g1=rep, g2=rep)
     return dict(wq=col, wk=col, wv=col, wo=row, wg=col, wu=col, wd=row, g1=rep, g2=rep)
 
 
 def init_params(dims: Dims, key, dtype):
     d, f, l_ = dims.d_model, dims.ffn, dims.layers
     shapes = dict(wq=(d, d), wk=(d, d), wv=(d, d), wo=(d, d), wg=(d, f), wu=(d, f), wd=(f, d))
+    if dims.fused_proj:
+        shapes = dict(wqkv=(d, 3, d), wo=(d, d), wgu=(d, 2, f), wd=(f, d))
     keys = jax.random.split(key, len(shapes))
     params = {
         name: (jax.random.normal(k, (l_, *s), jnp.float32) / np.sqrt(s[0])).astype(dtype)
@@ -132,7 +148,7 @@ def make_model(dims: Dims, mesh, comm=PLAIN):
         return lax.scan(lambda x, p: (layer(dims, x, p, comm), None), x, params)[0]
 
     return jax.shard_map(
-        model, mesh=mesh, in_specs=(param_specs(), P(AXIS, None)), out_specs=P(AXIS, None)
+        model, mesh=mesh, in_specs=(param_specs(dims), P(AXIS, None)), out_specs=P(AXIS, None)
     )
 
 
@@ -207,9 +223,9 @@ def init_state(params):
     )
 
 
-def place(mesh, params, x, y):
+def place(mesh, params, x, y, dims: Dims | None = None):
     shard = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))  # noqa: E731
-    specs = param_specs()
+    specs = param_specs(dims)
     return (
         {k: shard(v, specs[k]) for k, v in params.items()},
         shard(x, P(AXIS, None)),
@@ -223,7 +239,7 @@ def train(dims, mesh, model, steps, dtype, seed=0):
     params = init_params(dims, k_p, dtype)
     x = jax.random.normal(k_x, (dims.tokens, dims.d_model), jnp.float32).astype(dtype)
     y = jax.random.normal(k_y, (dims.tokens, dims.d_model), jnp.float32).astype(dtype)
-    params, x, y = place(mesh, params, x, y)
+    params, x, y = place(mesh, params, x, y, dims)
     step = adamw_step(loss_fn(model))
     state = init_state(params)
     losses, times = [], []
@@ -272,7 +288,7 @@ def main():
         k_p, k_x = jax.random.split(jax.random.key(1))
         params = init_params(dims, k_p, dtype)
         x = jax.random.normal(k_x, (dims.tokens, dims.d_model), jnp.float32).astype(dtype)
-        params, x, _ = place(mesh, params, x, x)
+        params, x, _ = place(mesh, params, x, x, dims)
         jaxoverlap.explain(plain, params, x)
         grad = jax.grad(loss_fn(runs["overlap"]))
         print("ops in the overlapped train step:", count_ops(grad, params, x, x))
