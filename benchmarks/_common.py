@@ -388,3 +388,27 @@ def pyplot():
         print("matplotlib is not installed: skipping the PNG plot (JSON and table are complete)")
         return None
     return plt
+
+
+def finish_op_benchmark(args, script, info, tp, seed, rows, crashed, report, plot, label, **fields):
+    """The op benchmarks' end: table, JSON/PNG, failed checks, --require-fused; the exit status.
+
+    ``report(rows, tp, stand_in) -> (text, geomean)``, ``plot(rows, path, title)``,
+    ``label(row) -> "MxKxN"``; ``fields`` go into the JSON (e.g. the fused config).
+    """
+    import functools
+
+    text, g = report(rows, tp, args.smoke_stand_in)
+    doc = results_doc(
+        info, tp, seed, args, check_tolerance_rel=fields.pop("tolerance"),
+        stand_in=args.smoke_stand_in, **fields, geomean=g, aborted=crashed, rows=rows,
+    )  # fmt: skip
+    save(args, script, info, tp, doc, text, functools.partial(plot, rows))
+    print(text)
+    bad = [f"{label(r)} {m}" for r in rows for m, c in r["check"].items() if not c["ok"]]
+    if failed(bad, ", ", crashed):
+        return 1
+    if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
+        print("FAILED: --require-fused, but the fused path did not run on every shape")
+        return 1
+    return 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import sys
 
@@ -267,33 +266,11 @@ def main(argv=None):
         done,
         lambda shape: "x".join(map(str, shape)),
     )
-    text, g = report(rows, tp, args.smoke_stand_in)
-    doc = C.results_doc(
-        info,
-        tp,
-        seed,
-        args,
-        check_tolerance_rel=BF16_TOL,
-        stand_in=args.smoke_stand_in,
-        fused_config={"chunks": args.chunks},
-        geomean=g,
-        aborted=crashed,
-        rows=rows,
-    )
-    C.save(args, "all_gather_matmul", info, tp, doc, text, functools.partial(plot, rows))
-    print(text)
-    bad = [
-        f"{r['M']}x{r['K']}x{r['N_local']} {m}"
-        for r in rows
-        for m, c in r["check"].items()
-        if not c["ok"]
-    ]
-    if C.failed(bad, ", ", crashed):
-        return 1
-    if args.require_fused and any(r["ms"]["jaxoverlap"] is None for r in rows):
-        print("FAILED: --require-fused, but the fused path did not run on every shape")
-        return 1
-    return 0
+    return C.finish_op_benchmark(
+        args, "all_gather_matmul", info, tp, seed, rows, crashed, report, plot,
+        lambda r: f"{r['M']}x{r['K']}x{r['N_local']}",
+        tolerance=BF16_TOL, fused_config={"chunks": args.chunks},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
