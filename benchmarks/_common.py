@@ -412,3 +412,19 @@ def finish_op_benchmark(args, script, info, tp, seed, rows, crashed, report, plo
         print("FAILED: --require-fused, but the fused path did not run on every shape")
         return 1
     return 0
+
+
+def plot_vs_gemm(rows, path, title, methods, label, figsize=(11, 4.5)):
+    """Bars of each method's time over gemm_only, one group per row (``label(row)``)."""
+
+    def draw(ax):
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            vals = [ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
+            x = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(x, vals, width, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
+        ax.set_xticks(range(len(rows)), [label(r) for r in rows], rotation=20, fontsize=7)
+        ax.set_ylabel("time / gemm_only (lower is better)")
+
+    return save_plot(path, title, rows, figsize, draw)

@@ -399,19 +399,10 @@ def report(rows, tp, stand_in):
 
 
 def plot(rows, path, title):
-    def draw(ax):
-        names = ["xla", "xla_windowed", "jaxoverlap", "rs_only"]
-        labels = [f"{r['M']}x{r['K_local']}x{r['N']}" for r in rows]
-        width = 0.8 / len(names)
-        for i, m in enumerate(names):
-            vals = [C.ratio(r["ms"][m], r["ms"]["gemm_only"]) or 0.0 for r in rows]
-            x = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
-            ax.bar(x, vals, width, label=m)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="gemm_only (comm. free)")
-        ax.set_xticks(range(len(rows)), labels)
-        ax.set_ylabel("time / gemm_only (lower is better)")
-
-    return C.save_plot(path, title, rows, (11, 4.5), draw)
+    methods = ["xla", "xla_windowed", "jaxoverlap", "rs_only"]
+    return C.plot_vs_gemm(
+        rows, path, title, methods, lambda r: f"{r['M']}x{r['K_local']}x{r['N']}", (11, 4.5)
+    )
 
 
 def main(argv=None):
