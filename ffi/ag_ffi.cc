@@ -7,6 +7,10 @@
 // bounded wait for the block and the GEMM reading the staging slot, and last releases the slots.
 // Cross-GPU ordering is by flags only (kernels/ag.cu): the two devices' handler threads run with
 // no host ordering between them, so no stream ever waits on another device's event.
+// The variant jaxoverlap_ag_gemm_keep_v1 also returns the gathered x (what a weight gradient
+// needs): the copy stream, after its pushes, copies x and then each arrived block from its slot
+// into that output while the GEMMs run; the slots are released only after those copies.
+// `w_colmajor`: w[K, N] is stored column-major (the transpose of a row-major [N, K] array).
 #include <string>
 #include <vector>
 
@@ -37,11 +41,12 @@ std::string ag_setup(DeviceRuntime* dev) {
   return "";
 }
 
-ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                      int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile) {
+// `gathered`: null, or the [n * m, ..., K] output for the gathered x.
+ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, int64_t site,
+                  ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                  ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
+                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t w_colmajor) {
   (void)comm_sms;  // the copy engine needs no SMs
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
@@ -58,6 +63,9 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t elt = 2;
   if (m < 1 || (int64_t)out->element_count() != n * m * N)
     return invalid(kWhat, "result size is not (group size x rows) x N");
+  if (gathered && (gathered->element_type() != x.element_type() ||
+                   (int64_t)gathered->element_count() != n * m * K))
+    return invalid(kWhat, "the gathered-x result is not (group size x rows) x K of x's dtype");
   if (chunks < 1 || chunks > kMaxChunks || m % chunks)
     return invalid(kWhat, "chunks must divide the rows per rank and be at most 16");
   const int64_t mc = m / chunks;
@@ -85,7 +93,9 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   // The join's view of the streams: GEMMs run on XLA's stream, the pushes on `copy`.
   Partition streams;
   streams.gemm = xla_stream;
-  const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
+  char* gp = gathered ? static_cast<char*>(gathered->untyped_data()) : nullptr;
+  const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype, gp,
+                      gathered ? (int64_t)gathered->size_bytes() : 0};
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
     if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
@@ -99,9 +109,9 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     const void* wp = w.untyped_data();
     char* op = static_cast<char*>(out->untyped_data());
     if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
-        GemmRunner::alignment(op) < 2)
+        GemmRunner::alignment(op) < 2 || (gp && GemmRunner::alignment(gp) < 2))
       return invalid(kWhat, "an operand is not aligned to its 2-byte element");
-    const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0};  // the whole device
+    const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0, w_colmajor != 0};  // whole device
     auto gemm = [&](const char* a, int64_t row) -> std::string {
       return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
     };
@@ -148,6 +158,22 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
         CK(launch_ag_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
       }
     }
+    // The gathered x: the own block, then each peer block as it lands, on the copy stream
+    // behind this call's pushes (so no peer waits for them); XLA's stream waits for these copies
+    // before it releases the slots.
+    if (gp) {
+      CK(cudaMemcpyAsync(gp + rank * block_bytes, xp, block_bytes, cudaMemcpyDefault, dev->copy));
+      for (int t = 1; t < n; ++t) {
+        const int s = (rank - t + (int)n) % (int)n;
+        const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
+        for (int k = 0; k < chunks; ++k) {
+          if (communicate) CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, dev->copy));
+          CK(cudaMemcpyAsync(gp + s * block_bytes + k * chunk_bytes, slot + k * chunk_bytes,
+                             chunk_bytes, cudaMemcpyDefault, dev->copy));
+        }
+      }
+      CK(cudaEventRecord(dev->comm_done, dev->copy));  // re-recorded by the join
+    }
     for (int k = 0; !own_done && k < chunks; ++k)
       if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
         return internal(kWhat, e);
@@ -161,6 +187,7 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
           return internal(kWhat, e);
       }
     }
+    if (gp) CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
     if (communicate) CK(launch_release_slots(peers, xla_stream));
     return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
   }();
@@ -170,6 +197,26 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   return result;
 }
 
+#define JAXOVERLAP_AG_ATTRS                                                                    \
+  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
+      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
+      double timeout_s, int64_t stall_rank, int64_t profile, int64_t w_colmajor
+#define JAXOVERLAP_AG_ARGS \
+  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, w_colmajor
+
+ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, JAXOVERLAP_AG_ATTRS) {
+  return AgGemm(xla_stream, device, x, w, &*out, nullptr, JAXOVERLAP_AG_ARGS);
+}
+
+ffi::Error AgGemmKeepImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                          ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> gathered, JAXOVERLAP_AG_ATTRS) {
+  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, JAXOVERLAP_AG_ARGS);
+}
+#undef JAXOVERLAP_AG_ATTRS
+#undef JAXOVERLAP_AG_ARGS
+
 }  // namespace
 }  // namespace jaxoverlap
 
@@ -178,6 +225,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl,
                                   xla::ffi::Ffi::Bind()
                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                       .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()    // x [m, ..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>()));  // out [n * m, ..., N]
+                                      .Arg<xla::ffi::AnyBuffer>()   // x [m, ..., K]
+                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>())  // out [n * m, ..., N]
+                                  .Attr<int64_t>("w_colmajor"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()   // x [m, ..., K]
+                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>()   // out [n * m, ..., N]
+                                      .Ret<xla::ffi::AnyBuffer>())  // gathered x [n * m, ..., K]
+                                  .Attr<int64_t>("w_colmajor"));

@@ -58,8 +58,15 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
     LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
                                       sizeof(sms)));
   }
-  // Row-major D[m,n] = A[m,k] B[k,n] is column-major D^T[n,m] = B^T[n,k] A^T[k,m].
-  LT(cublasLtMatrixLayoutCreate(&p.la, t, s.n, s.k, s.n));
+  // Row-major D[m,n] = A[m,k] B[k,n] is column-major D^T[n,m] = B^T[n,k] A^T[k,m]. A
+  // column-major B is a column-major [k, n] matrix whose transpose is cuBLASLt's A.
+  if (s.b_col) {
+    const int32_t op_t = CUBLAS_OP_T;
+    LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.k, s.n, s.k));
+  } else {
+    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.n, s.k, s.n));
+  }
   LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.k, s.m, s.k));
   LT(cublasLtMatrixLayoutCreate(&p.lc, t, s.n, s.m, s.n));
   cublasLtMatmulPreference_t pref;

@@ -1,4 +1,6 @@
 // cuBLASLt GEMM driver: row-major D[m, n] = A[m, k] . B[k, n] (+ C[m, n]), f32 accumulation,
+// B stored row-major ([k][n]) or column-major ([n][k]: the transpose of a row-major [n, k] array,
+// which XLA then hands over without a copy),
 // targeted at the SM count of the partition it runs on. One per device; plans cached by shape and
 // operand alignment. Not thread-safe: callers hold their device's DeviceRuntime::launch_mu.
 // cuBLASLt's workspace is one per stream: two GEMMs share one only if they are stream-ordered,
@@ -22,7 +24,8 @@ struct GemmShape {
   DType dtype;
   bool accumulate;  // D = A.B + C (beta = 1) instead of D = A.B
   int sm_count;     // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET (0: whole device)
-  auto key() const { return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count); }
+  bool b_col;       // B is column-major: element (i, j) at b[j * k + i]
+  auto key() const { return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col); }
 };
 
 // Alignment in bytes (a power of two, at most 256) of each operand pointer: cuBLASLt's heuristic

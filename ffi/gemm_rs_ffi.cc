@@ -5,7 +5,8 @@
 // the comm kernel pushes each finished chunk to its owner's staging slot; last, the GEMM computes
 // its own block chunk by chunk with C = the peers' contribution (beta = 1), so the reduction
 // costs no extra pass. n > 2: the comm kernel's receivers first sum the peers' chunks in rank
-// order.
+// order. `w_colmajor`: w[K, N] is stored column-major (the transpose of a row-major [N, K]
+// array, as in the backward's ct @ w.T), read as cuBLASLt's transposed operand.
 #include <string>
 #include <vector>
 
@@ -23,7 +24,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                       int64_t chunks, double timeout_s, int64_t stall_rank,
-                      int64_t profile) {
+                      int64_t profile, int64_t w_colmajor) {
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
@@ -78,8 +79,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     const void* wp = w.untyped_data();
     char* op = static_cast<char*>(out->untyped_data());
     char* partials = ws->part[rank];
-    const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms};
-    const GemmShape own{mc, N, K, dtype, true, part->gemm_sms};
+    const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms, w_colmajor != 0};
+    const GemmShape own{mc, N, K, dtype, true, part->gemm_sms, w_colmajor != 0};
     const int senders =
         n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
                : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
@@ -174,4 +175,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
                                       .Ctx<xla::ffi::DeviceOrdinal>()
                                       .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
                                       .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>()));  // out [rows / n, ..., N]
+                                      .Ret<xla::ffi::AnyBuffer>())  // out [rows / n, ..., N]
+                                  .Attr<int64_t>("w_colmajor"));  // w stored column-major

@@ -125,11 +125,14 @@ inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, Devic
   return ffi::Error::Success();
 }
 
-// The output a call poisons with NaN when one of its waits gave up.
+// The outputs a call poisons with NaN when one of its waits gave up (the second one optional:
+// the gathered x of all_gather_matmul's variant that returns it).
 struct Output {
   void* data;
   int64_t bytes;
   DType dtype;
+  void* data2 = nullptr;
+  int64_t bytes2 = 0;
 };
 
 // The handlers' join: records the done events on the green-context streams they launched on (the
@@ -143,7 +146,7 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
   if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
   CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
   CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
-                          xla_stream));
+                          xla_stream, false, out.data2, out.bytes2));
   CK(cudaEventRecord(ws->done[rank], xla_stream));
   return ffi::Error::Success();
 }
@@ -164,7 +167,8 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   launch_release_slots(ws->peers[rank], xla_stream);
   Flags* local = ws->peers[rank].flags[rank];
   if (poison)
-    launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true);
+    launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true,
+                         poison->data2, poison->bytes2);
   else
     launch_finish(local, xla_stream);
   cudaEventRecord(ws->done[rank], xla_stream);

@@ -40,6 +40,7 @@ from jaxoverlap import runtime, topology
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
+AG_GEMM_KEEP_TARGET = "jaxoverlap_ag_gemm_keep_v1"  # also returns the gathered x
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
 _SUPPORTED = (jnp.bfloat16, jnp.float16)
 
@@ -289,8 +290,26 @@ def _table_attrs(table, comm_sms, chunks, timeout_s, kind=()):
     )
 
 
-def lower(op, ctx, x, w, params):
-    """Emit the fused custom call (see the module docstring)."""
+def _operands_kind(x_aval, w_aval, params):
+    """What of the operands goes into the workspace key: shapes, dtype and w's layout (its GEMM
+    plans differ, and a workspace's warm-up loads the GEMM kernels of its calls only)."""
+    return (tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype), bool(params["w_colmajor"]))
+
+
+def _ffi_call(target, ctx, x, w, params, attrs):
+    """The custom call, with w's layout: column-major when ``params["w_colmajor"]`` (w is the
+    transpose of a row-major array: XLA then passes that array as is, and the kernel reads it
+    as cuBLASLt's transposed operand), else row-major like every other operand."""
+    colmajor = bool(params["w_colmajor"])
+    x_aval = ctx.avals_in[0]
+    layouts = [tuple(reversed(range(x_aval.ndim))), (0, 1) if colmajor else (1, 0)]
+    lowering = jax.ffi.ffi_lowering(target, operand_layouts=layouts)
+    return lowering(ctx, x, w, profile=_profile.get(), w_colmajor=int(colmajor), **attrs)
+
+
+def lower(op, ctx, x, w, params, keep_gathered=False):
+    """Emit the fused custom call (see the module docstring). ``keep_gathered``: the
+    all_gather_matmul variant with a second result, the gathered x."""
     if op not in _FUSED_OPS:
         raise FusedUnavailable(f"{op} has no fused GPU kernel in this version")
     x_aval, w_aval = ctx.avals_in
@@ -305,9 +324,10 @@ def lower(op, ctx, x, w, params):
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
         want = config.chunks or (entry["chunks"] if entry and entry["chunks"] else 1)
         chunks = choose_chunks(m_total, k, n_cols, want) or choose_chunks(m_total, k, n_cols, 1)
-        kind = (AG_GEMM_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+        target = AG_GEMM_KEEP_TARGET if keep_gathered else AG_GEMM_TARGET
+        kind = (target, *_operands_kind(x_aval, w_aval, params))
         attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind)
-        return jax.ffi.ffi_lowering(AG_GEMM_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
+        return _ffi_call(target, ctx, x, w, params, attrs)
     entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
     setting = (
         (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
@@ -317,9 +337,9 @@ def lower(op, ctx, x, w, params):
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms or setting[1]
     runtime.register_targets()
-    kind = (GEMM_RS_TARGET, tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+    kind = (GEMM_RS_TARGET, *_operands_kind(x_aval, w_aval, params))
     attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind)
-    return jax.ffi.ffi_lowering(GEMM_RS_TARGET)(ctx, x, w, profile=_profile.get(), **attrs)
+    return _ffi_call(GEMM_RS_TARGET, ctx, x, w, params, attrs)
 
 
 def _lower_all_reduce(ctx, x, w, params, n):
@@ -347,7 +367,9 @@ def _lower_all_reduce(ctx, x, w, params, n):
     )
 
     def fn(x, w):
-        y = matmul_reduce_scatter_p.bind(x, w, axis_name=axis, scatter_dimension=0, config=inner)
+        y = matmul_reduce_scatter_p.bind(
+            x, w, axis_name=axis, scatter_dimension=0, config=inner, w_colmajor=params["w_colmajor"]
+        )
         return lax.all_gather(y, axis, axis=0, tiled=True)
 
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)

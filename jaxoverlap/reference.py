@@ -23,3 +23,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0):
 
 def matmul_all_reduce(x, w, axis_name):
     return lax.psum(jnp.matmul(x, w), axis_name)
+
+
+def all_gather_matmul_keep(x, w, axis_name, *, gather_dimension=0):
+    """``all_gather_matmul`` and the gathered ``x`` (what its weight gradient needs)."""
+    gathered = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    return jnp.matmul(gathered, w), gathered

@@ -281,6 +281,7 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
 
     names = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
     found = []
+    variants = {"all_gather_matmul_keep": "all_gather_matmul"}  # same kernel, tuned as one
 
     def visit(jaxpr, sizes):
         for eqn in jaxpr.eqns:
@@ -288,13 +289,14 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
             mesh = eqn.params.get("mesh")
             if mesh is not None and hasattr(mesh, "shape"):
                 inner.update(dict(mesh.shape))
-            if eqn.primitive.name in names:
+            name = variants.get(eqn.primitive.name, eqn.primitive.name)
+            if name in names:
                 x, w = (v.aval for v in eqn.invars)
                 group = math.prod(inner.get(a, 1) for a in eqn.params["axis_name"])
                 m = math.prod(x.shape[:-1])
-                if eqn.primitive.name == "all_gather_matmul":
+                if name == "all_gather_matmul":
                     m *= group  # the key counts gathered rows
-                row = (eqn.primitive.name, m, x.shape[-1], w.shape[1], str(x.dtype), group)
+                row = (name, m, x.shape[-1], w.shape[1], str(x.dtype), group)
                 if row not in found:
                     found.append(row)
             for v in eqn.params.values():

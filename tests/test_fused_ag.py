@@ -141,6 +141,20 @@ def test_backward_uses_both_fused_ops(lowering_only):
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    # forward AG + backward AG (d/dx of the reduce-scatter); forward RS + backward RS
-    assert len(_calls(text, fused.AG_GEMM_TARGET)) == 2
-    assert len(_calls(text, fused.GEMM_RS_TARGET)) == 2
+    # Training: the forward AG returns the x it gathered (for dW1), the backward of the
+    # reduce-scatter is the same variant on the cotangent (shared by dh and dW2); forward RS +
+    # backward RS (d/dx of the all-gather). Nothing gathered by XLA.
+    keep, plain = _calls(text, fused.AG_GEMM_KEEP_TARGET), _calls(text, fused.AG_GEMM_TARGET)
+    rs = _calls(text, fused.GEMM_RS_TARGET)
+    assert len(keep) == 2 and not plain and len(rs) == 2 and "all_gather" not in text
+    # The backward's `ct @ w.T` reads w in place: the custom call asks for w column-major (XLA
+    # makes the transpose a bitcast) and tells the kernel so; the forward's w is row-major.
+    colmajor = "dense<[0, 1]> : tensor<2xindex>], result_layouts"
+    for forward, backward in (keep, rs):
+        assert "w_colmajor = 0" in forward and colmajor not in forward
+        assert "w_colmajor = 1" in backward and colmajor in backward
+        assert _site(forward) != _site(backward)  # GEMM plans differ: separate workspaces
+
+
+def _site(call):
+    return call.split("site = ")[1].split(" ")[0]

@@ -361,11 +361,13 @@ __global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; 
 // `force`: its host failed), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it
 // cannot pass for a result; then advance the epoch. One block: the common case costs what
 // finish_kernel costs.
-__global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t nan,
-                                     int force) {
+__global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
+                                     int64_t elems2, uint16_t nan, int force) {
   const uint32_t epoch = local->epoch;
-  if (force || local->gave_up == epoch + 1u)
+  if (force || local->gave_up == epoch + 1u) {
     for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) out[i] = nan;
+    for (int64_t i = threadIdx.x; i < elems2; i += blockDim.x) out2[i] = nan;
+  }
   __syncthreads();
   if (threadIdx.x == 0) local->epoch = epoch + 1u;
 }
@@ -424,10 +426,11 @@ cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
 }
 
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
-                                 cudaStream_t stream, bool force) {
+                                 cudaStream_t stream, bool force, void* out2, int64_t bytes2) {
   const uint16_t nan = dtype == DType::kBF16 ? 0x7fc0u : 0x7e00u;
-  finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2, nan,
-                                              force ? 1 : 0);
+  finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2,
+                                              static_cast<uint16_t*>(out2), out2 ? bytes2 / 2 : 0,
+                                              nan, force ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -71,9 +71,11 @@ cudaError_t launch_wait_chunk(const Peers& peers, int chunk, int count, int from
                               int op, uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
 cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream);
 cudaError_t launch_finish(Flags* local, cudaStream_t stream);
-// launch_finish for a call with an output: first fills out[0, bytes) with NaN if a wait of this
-// rank gave up in the current call (Flags::gave_up), or always if `force`.
+// launch_finish for a call with outputs: first fills out[0, bytes) (and out2[0, bytes2), a
+// second output, if given) with NaN if a wait of this rank gave up in the current call
+// (Flags::gave_up), or always if `force`.
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
-                                 cudaStream_t stream, bool force = false);
+                                 cudaStream_t stream, bool force = false, void* out2 = nullptr,
+                                 int64_t bytes2 = 0);
 
 }  // namespace jaxoverlap

@@ -171,10 +171,15 @@ def _log_fallback_once(op, reason):
         log.info("jaxoverlap.%s: running the reference (XLA) path: %s", op, reason)
 
 
-def register_lowerings(prim, op, reference_fn):
-    """Reference lowering on every platform; on CUDA try the fused path first."""
+def register_lowerings(prim, op, reference_fn, keep_gathered=False):
+    """Reference lowering on every platform; on CUDA try the fused path first.
 
-    def reference_lowering(ctx, x, w, *, axis_name, config, **dims):
+    ``keep_gathered``: the primitive is all_gather_matmul's variant with two results, the
+    product and the gathered x (``reference_fn`` returns both). ``w_colmajor`` (a param of every
+    op) only asks the fused custom call to take w column-major; the reference path ignores it."""
+
+    def reference_lowering(ctx, x, w, *, axis_name, config, w_colmajor, **dims):
+        del w_colmajor
         if config.backend == "fused" and "cuda" not in ctx.module_context.platforms:
             raise ValueError(
                 f"jaxoverlap.{op}: backend='fused' cannot run here: the fused kernel runs on "
@@ -182,7 +187,7 @@ def register_lowerings(prim, op, reference_fn):
                 f"{', '.join(ctx.module_context.platforms)}. Use backend='auto' to fall back."
             )
         fn = lambda x, w: reference_fn(x, w, axis_name, **dims)  # noqa: E731
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)
+        return mlir.lower_fun(fn, multiple_results=keep_gathered)(ctx, x, w)
 
     def cuda_lowering(ctx, x, w, **params):
         config = params["config"]
@@ -196,7 +201,7 @@ def register_lowerings(prim, op, reference_fn):
                 reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
             if reason is None:
                 try:
-                    return fused.lower(op, ctx, x, w, params)
+                    return fused.lower(op, ctx, x, w, params, keep_gathered=keep_gathered)
                 except fused.FusedUnavailable as e:
                     reason = str(e)
             if config.backend == "fused":
@@ -233,13 +238,21 @@ def batch_rule(bind, dim_name):
         if bx is None:
             b, k, n = w.shape
             wide = jnp.transpose(w, (1, 2, 0)).reshape(k, n * b)
-            out = bind(x, wide, **params)
+            out = bind(x, wide, **{**params, "w_colmajor": False})
             out = out.reshape(*out.shape[:-1], out.shape[-1] // b, b)
             return jnp.moveaxis(out, -1, 0), 0
         x = jnp.moveaxis(x, bx, 0)
         return lax.map(lambda xw: bind(xw[0], xw[1], **params), (x, w)), 0
 
     return rule
+
+
+def transposed_w(w, params):
+    """``w.T`` for the backward's ``ct @ w.T`` and the params that say how it is stored: the
+    transpose of a row-major w is column-major, so the fused kernel reads it in place (cuBLASLt's
+    transposed operand) and XLA makes the transpose a bitcast instead of materialising it
+    (70B-class gate/up weight: 470 MB per step)."""
+    return jnp.transpose(w), {**params, "w_colmajor": not params["w_colmajor"]}
 
 
 def contract_leading(a, b):

@@ -45,7 +45,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
     d = _common.normalize_dim(OP, "gather_dimension", gather_dimension, len(xs), range(len(xs)), xs)
     n = _common.group_size(OP, names)
     _common.check_operands(OP, x, w, k_shards=n if d == len(xs) - 1 else 1)
-    params = dict(axis_name=names, gather_dimension=d, config=config)
+    params = dict(axis_name=names, gather_dimension=d, config=config, w_colmajor=False)
     _common.check_fused_possible(OP, x, w, params, n)
     x, w = _common.vary_operands(x, w, names)
     return all_gather_matmul_p.bind(x, w, **params)
@@ -56,8 +56,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
 all_gather_matmul_p = core.Primitive(OP)
 
 
-def _abstract_eval(x, w, *, axis_name, gather_dimension, config):
-    del config
+def _abstract_eval(x, w, *, axis_name, gather_dimension, config, w_colmajor):
+    del config, w_colmajor
     n = _common.axis_size(axis_name)
     shape = [*x.shape[:-1], w.shape[1]]
     if gather_dimension < x.ndim - 1:  # along K the gathered dim is contracted away
@@ -68,64 +68,112 @@ def _abstract_eval(x, w, *, axis_name, gather_dimension, config):
 
 all_gather_matmul_p.def_abstract_eval(_abstract_eval)
 
+# The variant that also returns the gathered x: the forward of a layer whose weight is trained
+# (dW = gathered^T @ ct needs it, as plain JAX keeps its all_gather's result), and the backward
+# of matmul_reduce_scatter (ct gathered once for dx and dW). Internal: only autodiff binds it.
+all_gather_matmul_keep_p = core.Primitive(OP + "_keep")
+all_gather_matmul_keep_p.multiple_results = True
+
+
+def _keep_abstract_eval(x, w, *, axis_name, gather_dimension, **params):
+    out = _abstract_eval(x, w, axis_name=axis_name, gather_dimension=gather_dimension, **params)
+    shape = list(x.shape)
+    shape[gather_dimension] *= _common.axis_size(axis_name)
+    return out, x.update(shape=tuple(shape), manual_axis_type=out.mat)
+
+
+all_gather_matmul_keep_p.def_abstract_eval(_keep_abstract_eval)
+
 
 # ----------------------------------------------------------------------------- lowering
 
 _common.register_lowerings(all_gather_matmul_p, OP, reference.all_gather_matmul)
+_common.register_lowerings(
+    all_gather_matmul_keep_p, OP, reference.all_gather_matmul_keep, keep_gathered=True
+)
 
 
 # ----------------------------------------------------------------------------- autodiff, batching
 
 
-def _transpose_x(ct, x, w, *, axis_name, gather_dimension, config):
-    """d/dx: ``psum_scatter(ct @ w.T)`` -- the sibling matmul_reduce_scatter."""
+def _transpose_x(ct, x, w, *, gather_dimension, **params):
+    """d/dx: ``psum_scatter(ct @ w.T)`` -- the sibling matmul_reduce_scatter, reading ``w.T``
+    in place (`_common.transposed_w`)."""
     del x
     from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
 
-    return matmul_reduce_scatter_p.bind(
-        ct,
-        jnp.transpose(w),
-        axis_name=axis_name,
-        scatter_dimension=gather_dimension,
-        config=config,
-    )
+    wt, params = _common.transposed_w(w, params)
+    return matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
 
 
-def _transpose_w(ct, x, w, *, axis_name, gather_dimension, config):
+def _transpose_w(ct, x, w, *, axis_name, gather_dimension, **params):
     """d/dw: ``all_gather(x)^T @ ct``, contracting every leading dimension."""
-    del w, config
+    del w, params
     gathered = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
     return _common.contract_leading(gathered, ct)
 
 
-def _jvp(primals, tangents, *, axis_name, gather_dimension, config):
+def _jvp(primals, tangents, **params):
     """With a tangent on w (weights being trained) dW needs the gathered x, which plain JAX keeps
-    from the forward as a residual. The fused kernel does not hand out the x it gathered, so under
-    ``backend="auto"``/``"xla"`` the forward is then the plain ``all_gather(x) @ w`` (its gather
-    kept for dW) and only dx's transpose, a matmul_reduce_scatter, runs fused -- the op forward
-    would gather x a second time for dW. ``backend="fused"`` keeps the op forward (as asked) and
-    gathers x again for dW. Without a tangent on w: the op, and the sibling op for dx."""
+    from the forward as a residual: the forward is then the variant that also returns the x it
+    gathered (`all_gather_matmul_keep_p`, one gather for the product and dW, as in plain JAX),
+    and dx's transpose is the sibling matmul_reduce_scatter. Without a tangent on w: the op, and
+    the op again for the tangent."""
     x, w = primals
     dx, dw = tangents
-    params = dict(axis_name=axis_name, gather_dimension=gather_dimension, config=config)
     if type(dw) is ad.Zero:
         out = all_gather_matmul_p.bind(x, w, **params)
         if type(dx) is ad.Zero:
             return out, ad.Zero.from_primal_value(out)
         return out, all_gather_matmul_p.bind(dx, w, **params)
-    gathered = lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
-    if config.backend == "fused":
-        out = all_gather_matmul_p.bind(x, w, **params)
-    else:
-        out = jnp.matmul(gathered, w)
+    out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
+    return out, _tangent(gathered, w, dx, dw, params)
+
+
+def _tangent(gathered, w, dx, dw, params):
+    """``all_gather(dx) @ w + all_gather(x) @ dw`` given the gathered x (dw is not zero)."""
     tangent = jnp.matmul(gathered, dw)
     if type(dx) is not ad.Zero:
         tangent = tangent + all_gather_matmul_p.bind(dx, w, **params)
-    return out, tangent
+    return tangent
+
+
+def _keep_jvp(primals, tangents, **params):
+    """Higher-order autodiff through the variant: the op's tangent, and the gathered tangent."""
+    x, w = primals
+    dx, dw = tangents
+    out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
+    if type(dw) is ad.Zero:
+        out_dot = (
+            ad.Zero.from_primal_value(out)
+            if type(dx) is ad.Zero
+            else all_gather_matmul_p.bind(dx, w, **params)
+        )
+    else:
+        out_dot = _tangent(gathered, w, dx, dw, params)
+    if type(dx) is ad.Zero:
+        g_dot = ad.Zero.from_primal_value(gathered)
+    else:
+        g_dot = lax.all_gather(dx, params["axis_name"], axis=params["gather_dimension"], tiled=True)
+    return (out, gathered), (out_dot, g_dot)
+
+
+def _keep_batch(args, dims, **params):
+    """vmap of the variant: the op's own batching rule for the product, a batched gather for x."""
+    import jax
+
+    def both(x, w):
+        out = all_gather_matmul_p.bind(x, w, **params)
+        axis = params["gather_dimension"]
+        return out, lax.all_gather(x, params["axis_name"], axis=axis, tiled=True)
+
+    return jax.vmap(both, in_axes=dims)(*args), (0, 0)
 
 
 ad.defbilinear(all_gather_matmul_p, _transpose_x, _transpose_w)
 ad.primitive_jvps[all_gather_matmul_p] = _jvp
+ad.primitive_jvps[all_gather_matmul_keep_p] = _keep_jvp
+batching.primitive_batchers[all_gather_matmul_keep_p] = _keep_batch
 batching.primitive_batchers[all_gather_matmul_p] = _common.batch_rule(
     all_gather_matmul_p.bind, "gather_dimension"
 )

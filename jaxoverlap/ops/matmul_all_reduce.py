@@ -36,7 +36,7 @@ def matmul_all_reduce(x, w, axis_name, *, config=None):
     config = _common.resolve_config(OP, config)
     _common.check_operands(OP, x, w)
     n = _common.group_size(OP, names)
-    params = dict(axis_name=names, config=config)
+    params = dict(axis_name=names, config=config, w_colmajor=False)
     _common.check_fused_possible(OP, x, w, params, n)
     x, w = _common.vary_operands(x, w, names)
     return matmul_all_reduce_p.bind(x, w, **params)
@@ -47,8 +47,8 @@ def matmul_all_reduce(x, w, axis_name, *, config=None):
 matmul_all_reduce_p = core.Primitive(OP)
 
 
-def _abstract_eval(x, w, *, axis_name, config):
-    del config
+def _abstract_eval(x, w, *, axis_name, config, w_colmajor):
+    del config, w_colmajor
     vma = _common.operands_vma(OP, x, w) - frozenset(axis_name)
     shape = (*x.shape[:-1], w.shape[1])
     return x.update(shape=shape, manual_axis_type=x.mat.update(varying=vma))
@@ -75,13 +75,13 @@ def _summed_ct(ct, axis_name):
     return lax.psum(ct, axis_name)
 
 
-def _transpose_x(ct, x, w, *, axis_name, config):
-    del x, config
+def _transpose_x(ct, x, w, *, axis_name, **params):
+    del x, params
     return jnp.matmul(_summed_ct(ct, axis_name), jnp.transpose(w))
 
 
-def _transpose_w(ct, x, w, *, axis_name, config):
-    del w, config
+def _transpose_w(ct, x, w, *, axis_name, **params):
+    del w, params
     return _common.contract_leading(x, _summed_ct(ct, axis_name))
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
-from jax.interpreters import ad, batching
+from jax.interpreters import ad, batching, mlir
 
 from jaxoverlap import reference
 from jaxoverlap.ops import _common
@@ -53,7 +56,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, config=None):
             f"{n} of axis {names}. Pad that dimension to a multiple of {n} or scatter another "
             f"dimension (scatter_dimension=...)."
         )
-    params = dict(axis_name=names, scatter_dimension=d, config=config)
+    params = dict(axis_name=names, scatter_dimension=d, config=config, w_colmajor=False)
     _common.check_fused_possible(OP, x, w, params, n)
     x, w = _common.vary_operands(x, w, names)
     return matmul_reduce_scatter_p.bind(x, w, **params)
@@ -64,8 +67,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, config=None):
 matmul_reduce_scatter_p = core.Primitive(OP)
 
 
-def _abstract_eval(x, w, *, axis_name, scatter_dimension, config):
-    del config
+def _abstract_eval(x, w, *, axis_name, scatter_dimension, config, w_colmajor):
+    del config, w_colmajor
     n = _common.axis_size(axis_name)
     shape = [*x.shape[:-1], w.shape[1]]
     shape[scatter_dimension] //= n
@@ -80,41 +83,91 @@ matmul_reduce_scatter_p.def_abstract_eval(_abstract_eval)
 
 _common.register_lowerings(matmul_reduce_scatter_p, OP, reference.matmul_reduce_scatter)
 
+# The op's tangent when both x and w carry one, ``psum_scatter(dx @ w + x @ dw)``, as a linear
+# primitive of (dx, dw) so that its transpose can gather the cotangent once, fused with dx's
+# matmul, and hand the gathered cotangent to dW (`_tangent_transpose`). Internal.
+matmul_reduce_scatter_tangent_p = core.Primitive(OP + "_tangent")
+
+
+def _tangent_reference(dx, dw, x, w, *, axis_name, scatter_dimension, **params):
+    del params
+    both = jnp.matmul(dx, w) + jnp.matmul(x, dw)
+    return lax.psum_scatter(both, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+
+
+matmul_reduce_scatter_tangent_p.def_abstract_eval(
+    lambda dx, dw, x, w, **params: _abstract_eval(x, w, **params)
+)
+mlir.register_lowering(
+    matmul_reduce_scatter_tangent_p,
+    mlir.lower_fun(_tangent_reference, multiple_results=False),
+)
+
 
 # ----------------------------------------------------------------------------- autodiff, batching
 
 
-def _transpose_x(ct, x, w, *, axis_name, scatter_dimension, config):
-    """d/dx: ``all_gather(ct) @ w.T`` -- the sibling all_gather_matmul where it can express it."""
-    del x
-    wt = jnp.transpose(w)
+def _gather_ct_matmul_wt(ct, w, *, axis_name, scatter_dimension, **params):
+    """``(all_gather(ct) @ w.T, all_gather(ct))``: the sibling all_gather_matmul's variant that
+    returns what it gathered, reading ``w.T`` in place, where it can express it."""
     if scatter_dimension < ct.ndim - 1:
-        from jaxoverlap.ops.all_gather_matmul import all_gather_matmul_p
+        from jaxoverlap.ops.all_gather_matmul import all_gather_matmul_keep_p
 
-        return all_gather_matmul_p.bind(
-            ct, wt, axis_name=axis_name, gather_dimension=scatter_dimension, config=config
+        wt, params = _common.transposed_w(w, params)
+        return all_gather_matmul_keep_p.bind(
+            ct, wt, axis_name=axis_name, gather_dimension=scatter_dimension, **params
         )
     # The scattered dimension is N, which w.T contracts: no all-gather-matmul shape for that.
     gathered = lax.all_gather(ct, axis_name, axis=scatter_dimension, tiled=True)
-    return jnp.matmul(gathered, wt)
+    return jnp.matmul(gathered, jnp.transpose(w)), gathered
 
 
-def _transpose_w(ct, x, w, *, axis_name, scatter_dimension, config):
+def _transpose_x(ct, x, w, *, axis_name, scatter_dimension, **params):
+    """d/dx: ``all_gather(ct) @ w.T`` -- the sibling all_gather_matmul where it can express it."""
+    del x
+    if scatter_dimension < ct.ndim - 1:
+        from jaxoverlap.ops.all_gather_matmul import all_gather_matmul_p
+
+        wt, params = _common.transposed_w(w, params)
+        return all_gather_matmul_p.bind(
+            ct, wt, axis_name=axis_name, gather_dimension=scatter_dimension, **params
+        )
+    gathered = lax.all_gather(ct, axis_name, axis=scatter_dimension, tiled=True)
+    return jnp.matmul(gathered, jnp.transpose(w))
+
+
+def _transpose_w(ct, x, w, *, axis_name, scatter_dimension, **params):
     """d/dw: ``x^T @ all_gather(ct)``, contracting every leading dimension."""
-    del w, config
+    del w, params
     gathered = lax.all_gather(ct, axis_name, axis=scatter_dimension, tiled=True)
     return _common.contract_leading(x, gathered)
 
 
-def _jvp(primals, tangents, *, axis_name, scatter_dimension, config):
-    """The op itself forward. Its tangent, when both x and w carry one, is the plain
-    ``psum_scatter(dx @ w + x @ dw)`` under ``backend="auto"``/``"xla"``: its transpose gathers the
-    cotangent once for both gradients, exactly as JAX differentiates the reference, where the two
-    sibling ops would gather it twice (the fused all_gather_matmul for dx, an all_gather for
-    dW). ``backend="fused"`` keeps the sibling ops, as asked. One tangent: the sibling op."""
+def _tangent_transpose(ct, dx, dw, x, w, **params):
+    """Both gradients from one gather of the cotangent: dx's fused all_gather_matmul also
+    returns the gathered cotangent, which dW = x^T @ it contracts (as plain JAX shares its one
+    all_gather between the two)."""
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval) if ad.is_undefined_primal(v) else None for v in (dx, dw)] + [
+            None,
+            None,
+        ]
+    dx_ct, gathered = _gather_ct_matmul_wt(ct, w, **params)
+    dw_ct = _common.contract_leading(x, gathered)
+    return [
+        dx_ct if ad.is_undefined_primal(dx) else None,
+        dw_ct if ad.is_undefined_primal(dw) else None,
+        None,
+        None,
+    ]
+
+
+def _jvp(primals, tangents, **params):
+    """The op itself forward. With a tangent on x only or on w only, the op again (its transpose
+    is the sibling op, or a gather for dW); with both, `matmul_reduce_scatter_tangent_p`, whose
+    transpose gathers the cotangent once for both gradients, fused with dx's matmul."""
     x, w = primals
     dx, dw = tangents
-    params = dict(axis_name=axis_name, scatter_dimension=scatter_dimension, config=config)
     out = matmul_reduce_scatter_p.bind(x, w, **params)
     zx, zw = type(dx) is ad.Zero, type(dw) is ad.Zero
     if zx and zw:
@@ -123,15 +176,24 @@ def _jvp(primals, tangents, *, axis_name, scatter_dimension, config):
         return out, matmul_reduce_scatter_p.bind(dx, w, **params)
     if zx:
         return out, matmul_reduce_scatter_p.bind(x, dw, **params)
-    if config.backend == "fused":
-        bind = matmul_reduce_scatter_p.bind
-        return out, bind(dx, w, **params) + bind(x, dw, **params)
-    both = jnp.matmul(dx, w) + jnp.matmul(x, dw)
-    return out, lax.psum_scatter(both, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    return out, matmul_reduce_scatter_tangent_p.bind(dx, dw, x, w, **params)
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Higher-order autodiff through the tangent primitive: JAX's rules for its reference."""
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(partial(_tangent_reference, **params), primals, tangents)
+
+
+def _tangent_batch(args, dims, **params):
+    return jax.vmap(partial(_tangent_reference, **params), in_axes=dims)(*args), 0
 
 
 ad.defbilinear(matmul_reduce_scatter_p, _transpose_x, _transpose_w)
 ad.primitive_jvps[matmul_reduce_scatter_p] = _jvp
+ad.primitive_transposes[matmul_reduce_scatter_tangent_p] = _tangent_transpose
+ad.primitive_jvps[matmul_reduce_scatter_tangent_p] = _tangent_jvp
+batching.primitive_batchers[matmul_reduce_scatter_tangent_p] = _tangent_batch
 batching.primitive_batchers[matmul_reduce_scatter_p] = _common.batch_rule(
     matmul_reduce_scatter_p.bind, "scatter_dimension"
 )

@@ -206,14 +206,42 @@ def test_mlp_values_and_gradients(gpus):
 
     g_fused = loss(FUSED)
     hlo = g_fused.lower(x, w1, w2).compile().as_text()
-    assert hlo.count(f'custom_call_target="{fused.AG_GEMM_TARGET}"') == 2
+    # forward AG and the RS's backward: the variant that also returns what it gathered
+    assert hlo.count(f'custom_call_target="{fused.AG_GEMM_KEEP_TARGET}"') == 2
+    assert hlo.count(f'custom_call_target="{fused.AG_GEMM_TARGET}"') == 0
     assert hlo.count(f'custom_call_target="{fused.GEMM_RS_TARGET}"') == 2
+    assert "all-gather" not in hlo
+    assert_w_transposes_are_free(hlo, expected=2)
     (l1, y1), grads1 = g_fused(x, w1, w2)
     (l2, y2), grads2 = loss(XLA)(x, w1, w2)
     _close(y1, y2, jnp.bfloat16)
     assert abs(float(l1) - float(l2)) <= 3e-2 * abs(float(l2))
     for a, b in zip(grads1, grads2, strict=True):
         _close(a, b, jnp.bfloat16)
+
+
+def assert_w_transposes_are_free(hlo, expected):
+    """Every fused call that takes w column-major (the backward's ``ct @ w.T``) gets w with no
+    copy: its operand is a bitcast of the stored weight (or the weight itself), not a transpose
+    or copy fusion that materialises w.T."""
+    defs = {}
+    for line in hlo.splitlines():
+        line = line.strip()
+        if line.startswith("ROOT "):
+            line = line[5:]
+        if line.startswith("%") and " = " in line:
+            name, rhs = line.split(" = ", 1)
+            defs[name] = rhs
+    found = 0
+    for rhs in defs.values():
+        if 'custom_call_target="jaxoverlap_' not in rhs or "{0,1}}" not in rhs:
+            continue
+        found += 1
+        w_operand = rhs.split("custom-call(", 1)[1].split(")", 1)[0].split(", ")[1]
+        producer = defs[w_operand.split(" ")[-1]]
+        opcode = producer.split("(", 1)[0].split(" ")[-1]
+        assert opcode in ("bitcast", "parameter", "get-tuple-element"), (w_operand, producer)
+    assert found == expected, f"{found} fused calls take w column-major, expected {expected}"
 
 
 _STALL_SCRIPT = textwrap.dedent(
