@@ -5,7 +5,7 @@
 // kernel releasing the peer's arrival flag; meanwhile XLA's stream runs the GEMM of the own block
 // straight from x, then, source by source in the order the pushes arrive (r - 1, r - 2, ...), a
 // bounded wait for the block and the GEMM reading the staging slot, and last releases the slots.
-// Cross-GPU ordering is by flags only (kernels/ag.cu): the two devices' handler threads run with
+// Cross-GPU ordering is by flags only (kernels/ce.cu): the two devices' handler threads run with
 // no host ordering between them, so no stream ever waits on another device's event.
 // The variant jaxoverlap_ag_gemm_keep_v1 also returns the gathered x (what a weight gradient
 // needs): the copy stream, after its pushes, copies x and then each arrived block from its slot
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "handler_common.h"
-#include "kernels/ag.h"
+#include "kernels/ce.h"
 #include "kernels/comm.h"
 #include "runtime.h"
 
@@ -24,24 +24,6 @@ namespace {
 
 constexpr const char* kWhat = "jaxoverlap.all_gather_matmul (fused)";
 
-// Per device, once, under the device's handler lock: the copy stream (highest priority, so its
-// one-thread signal kernels are scheduled ahead of queued GEMM blocks) and the flag kernels.
-std::string ag_setup(DeviceRuntime* dev) {
-  if (!dev->ag_kernels_loaded) {
-    if (cudaError_t e = preload_ag_kernels())
-      return std::string("preloading the all-gather kernels failed: ") + cudaGetErrorString(e);
-    dev->ag_kernels_loaded = true;
-  }
-  if (!dev->copy) {
-    int least = 0, greatest = 0;
-    cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
-      return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
-  }
-  return "";
-}
-
-// `gathered`: null, or the [n * m, ..., K] output for the gathered x.
 ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, int64_t site,
                   ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
@@ -98,7 +80,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
                       gathered ? (int64_t)gathered->size_bytes() : 0};
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-    if (std::string e = ag_setup(dev); !e.empty()) return internal(kWhat, e);
+    if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);
     streams.comm = dev->copy;
     if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
       return internal(kWhat, "test-only failure injected on this rank after begin_call");
@@ -150,12 +132,12 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     CK(cudaStreamWaitEvent(xla_stream, ws->done[rank]));
     for (int t = 1; communicate && t < n; ++t) {
       const int j = (rank + t) % (int)n;
-      CK(launch_ag_wait_slot_free(peers, j, timeout_ns, err, dev->copy));
+      CK(launch_ce_wait_slot_free(peers, j, kOpAgGemm, timeout_ns, err, dev->copy));
       char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
       for (int k = 0; k < chunks; ++k) {
         CK(cudaMemcpyAsync(dst + k * chunk_bytes, xp + k * chunk_bytes, chunk_bytes,
                            cudaMemcpyDefault, dev->copy));
-        CK(launch_ag_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
+        CK(launch_ce_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
       }
     }
     // The gathered x: the own block, then each peer block as it lands, on the copy stream
@@ -167,7 +149,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
         const int s = (rank - t + (int)n) % (int)n;
         const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
         for (int k = 0; k < chunks; ++k) {
-          if (communicate) CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, dev->copy));
+          if (communicate) CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, dev->copy));
           CK(cudaMemcpyAsync(gp + s * block_bytes + k * chunk_bytes, slot + k * chunk_bytes,
                              chunk_bytes, cudaMemcpyDefault, dev->copy));
         }
@@ -182,7 +164,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       const int s = (rank - t + (int)n) % (int)n;
       const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
       for (int k = 0; k < chunks; ++k) {
-        if (communicate) CK(launch_ag_wait_arrival(peers, s, k, timeout_ns, err, xla_stream));
+        if (communicate) CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, xla_stream));
         if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
           return internal(kWhat, e);
       }

@@ -67,7 +67,14 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
   } else {
     LT(cublasLtMatrixLayoutCreate(&p.la, t, s.n, s.k, s.n));
   }
-  LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.k, s.m, s.k));
+  // Likewise a column-major A is cuBLASLt's transposed B.
+  if (s.a_col) {
+    const int32_t op_t = CUBLAS_OP_T;
+    LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_t, sizeof(op_t)));
+    LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.m, s.k, s.m));
+  } else {
+    LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.k, s.m, s.k));
+  }
   LT(cublasLtMatrixLayoutCreate(&p.lc, t, s.n, s.m, s.n));
   cublasLtMatmulPreference_t pref;
   LT(cublasLtMatmulPreferenceCreate(&pref));

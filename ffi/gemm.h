@@ -1,6 +1,6 @@
 // cuBLASLt GEMM driver: row-major D[m, n] = A[m, k] . B[k, n] (+ C[m, n]), f32 accumulation,
-// B stored row-major ([k][n]) or column-major ([n][k]: the transpose of a row-major [n, k] array,
-// which XLA then hands over without a copy),
+// A and B each stored row-major or column-major (the transpose of a row-major array, which XLA
+// then hands over without a copy: the backward's w.T, and x.T of a weight gradient),
 // targeted at the SM count of the partition it runs on. One per device; plans cached by shape and
 // operand alignment. Not thread-safe: callers hold their device's DeviceRuntime::launch_mu.
 // cuBLASLt's workspace is one per stream: two GEMMs share one only if they are stream-ordered,
@@ -25,7 +25,10 @@ struct GemmShape {
   bool accumulate;  // D = A.B + C (beta = 1) instead of D = A.B
   int sm_count;     // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET (0: whole device)
   bool b_col;       // B is column-major: element (i, j) at b[j * k + i]
-  auto key() const { return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col); }
+  bool a_col = false;  // A is column-major: element (i, j) at a[j * m + i]
+  auto key() const {
+    return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col, a_col);
+  }
 };
 
 // Alignment in bytes (a power of two, at most 256) of each operand pointer: cuBLASLt's heuristic

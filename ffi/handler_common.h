@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/ce.h"
 #include "kernels/comm.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -107,6 +108,24 @@ inline std::string preload(DeviceRuntime* dev) {
   if (cudaError_t e = preload_comm_kernels())
     return std::string("preloading the communication kernels failed: ") + cudaGetErrorString(e);
   dev->kernels_loaded = true;
+  return "";
+}
+
+// For the handlers whose pushes ride on the copy engine, once per device, under the device's
+// handler lock: the copy stream (highest priority, so its one-thread signal kernels are scheduled
+// ahead of queued GEMM blocks) and the copy-engine protocol kernels.
+inline std::string ce_setup(DeviceRuntime* dev) {
+  if (!dev->ce_kernels_loaded) {
+    if (cudaError_t e = preload_ce_kernels())
+      return std::string("preloading the copy-engine kernels failed: ") + cudaGetErrorString(e);
+    dev->ce_kernels_loaded = true;
+  }
+  if (!dev->copy) {
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
+      return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
+  }
   return "";
 }
 

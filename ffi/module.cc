@@ -21,6 +21,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1);
 
 namespace nb = nanobind;
 
@@ -39,10 +40,10 @@ float from_bf16(uint16_t h) {
 }
 
 // Test-only: D = A.B (bf16, 256^3) through the handlers' GEMM runner with every operand pointer
-// `offset` bytes past a 256-byte boundary (XLA guarantees only 16 for entry parameters), B
-// row-major or (`b_col`) column-major. Returns the max error relative to max |reference| (a host
-// f64 reference); raises on a runner error.
-double gemm_alignment_check(int ordinal, int offset, bool b_col) {
+// `offset` bytes past a 256-byte boundary (XLA guarantees only 16 for entry parameters), A and B
+// row-major or (`a_col`, `b_col`) column-major. Returns the max error relative to max
+// |reference| (a host f64 reference); raises on a runner error.
+double gemm_alignment_check(int ordinal, int offset, bool b_col, bool a_col) {
   using namespace jaxoverlap;
   constexpr int64_t n = 256;
   DeviceGuard guard;
@@ -74,8 +75,8 @@ double gemm_alignment_check(int ordinal, int offset, bool b_col) {
     cudaMemcpy(pa + offset, a.data(), n * n * 2, cudaMemcpyHostToDevice);
     cudaMemcpy(pb + offset, b.data(), n * n * 2, cudaMemcpyHostToDevice);
     std::lock_guard<std::mutex> hold(dev->launch_mu);
-    err = dev->gemm.run(GemmShape{n, n, n, DType::kBF16, false, 0, b_col}, pa + offset, pb + offset,
-                        nullptr, pd + offset, s);
+    err = dev->gemm.run(GemmShape{n, n, n, DType::kBF16, false, 0, b_col, a_col}, pa + offset,
+                        pb + offset, nullptr, pd + offset, s);
   }
   if (err.empty()) {
     if (cudaError_t e = cudaStreamSynchronize(s)) err = cudaGetErrorString(e);
@@ -89,7 +90,8 @@ double gemm_alignment_check(int ordinal, int offset, bool b_col) {
     for (int64_t j = 0; j < n; ++j) {
       double ref = 0;
       for (int64_t k = 0; k < n; ++k)
-        ref += (double)from_bf16(a[i * n + k]) * from_bf16(b[b_col ? j * n + k : k * n + j]);
+        ref += (double)from_bf16(a[a_col ? k * n + i : i * n + k]) *
+               from_bf16(b[b_col ? j * n + k : k * n + j]);
       max_err = std::max(max_err, std::abs(ref - from_bf16(d[i * n + j])));
       scale = std::max(scale, std::abs(ref));
     }
@@ -114,6 +116,7 @@ nb::dict registrations() {
   d["jaxoverlap_rs_v1"] = stages(JaxoverlapRsV1);
   d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
   d["jaxoverlap_ag_gemm_keep_v1"] = stages(JaxoverlapAgGemmKeepV1);
+  d["jaxoverlap_dgrad_rs_wgrad_v1"] = stages(JaxoverlapDgradRsWgradV1);
   return d;
 }
 
@@ -127,7 +130,7 @@ NB_MODULE(_native, m) {
   m.def("take_error", &jaxoverlap::take_error,
         "pending_error(), and forget it (jaxoverlap.check_errors()).");
   m.def("_gemm_alignment_check", &gemm_alignment_check, nb::arg("ordinal"), nb::arg("offset"),
-        nb::arg("b_col") = false,
+        nb::arg("b_col") = false, nb::arg("a_col") = false,
         "Test-only: relative error of the GEMM runner with operand pointers `offset` bytes off "
         "256-byte alignment.");
   m.def("memory_in_use", &jaxoverlap::memory_in_use,

@@ -98,7 +98,7 @@ const char* what_name(int what) {
     case kWaitArrival: return "the peer's pushed chunk";
     case kWaitReduced: return "the local sum of the peers' chunk";
     case kWaitAccReady: return "the peer to seed its accumulator with its own block";
-    case kWaitAgBlock: return "the peer's block of x (pushed by its copy engine)";
+    case kWaitCeBlock: return "the peer's block (pushed by its copy engine)";
   }
   return "a flag";
 }
@@ -107,6 +107,7 @@ const char* op_name(int op) {
   switch (op) {
     case kOpGemmRs: return "jaxoverlap.matmul_reduce_scatter";
     case kOpAgGemm: return "jaxoverlap.all_gather_matmul";
+    case kOpDgradRs: return "jaxoverlap.all_gather_matmul backward (dgrad reduce-scatter)";
   }
   return "jaxoverlap.tma_reduce_scatter";
 }

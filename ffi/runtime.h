@@ -32,10 +32,10 @@ struct DeviceRuntime {
   GemmRunner gemm;
   std::map<int, Partition> partitions;  // by requested comm SMs; created under the global lock
   bool kernels_loaded = false;
-  // all_gather_matmul: the stream its copy-engine pushes run on (created by its handler) and
-  // whether its flag kernels are loaded.
+  // The stream copy-engine pushes run on (all_gather_matmul, the dgrad reduce-scatter; created by
+  // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
-  bool ag_kernels_loaded = false;
+  bool ce_kernels_loaded = false;
   // Held by a handler from setup to its last launch: the fork/join events, the GEMM plans and
   // the workspaces' warm-up state are shared by every call on this device, and XLA runs one
   // thread per device, but nothing stops two programs (two Python threads) from calling a

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused
+from jaxoverlap import Config, fused, fused_backward
 
 OP = "all_gather_matmul"
 FUSED = Config(backend="fused")
@@ -141,19 +141,25 @@ def test_backward_uses_both_fused_ops(lowering_only):
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    # Training: the forward AG returns the x it gathered (for dW1), the backward of the
-    # reduce-scatter is the same variant on the cotangent (shared by dh and dW2); forward RS +
-    # backward RS (d/dx of the all-gather). Nothing gathered by XLA.
+    # Training: the forward AG returns the x it gathered (for dW1); the backward of the
+    # reduce-scatter is the same variant on the cotangent (shared by dh and dW2); the backward
+    # of the all-gather is one call computing dx's reduce-scatter beside dW1's GEMM. Forward RS.
+    # Nothing gathered or scattered by XLA.
     keep, plain = _calls(text, fused.AG_GEMM_KEEP_TARGET), _calls(text, fused.AG_GEMM_TARGET)
-    rs = _calls(text, fused.GEMM_RS_TARGET)
-    assert len(keep) == 2 and not plain and len(rs) == 2 and "all_gather" not in text
+    rs, bwd = _calls(text, fused.GEMM_RS_TARGET), _calls(text, fused_backward.TARGET)
+    assert len(keep) == 2 and not plain and len(rs) == 1 and len(bwd) == 1
+    assert "all_gather" not in text and "reduce_scatter" not in text
     # The backward's `ct @ w.T` reads w in place: the custom call asks for w column-major (XLA
     # makes the transpose a bitcast) and tells the kernel so; the forward's w is row-major.
-    colmajor = "dense<[0, 1]> : tensor<2xindex>], result_layouts"
-    for forward, backward in (keep, rs):
-        assert "w_colmajor = 0" in forward and colmajor not in forward
-        assert "w_colmajor = 1" in backward and colmajor in backward
-        assert _site(forward) != _site(backward)  # GEMM plans differ: separate workspaces
+    colmajor = "dense<[0, 1]> : tensor<2xindex>"
+    forward, backward = keep
+    assert "w_colmajor = 0" in forward and colmajor not in forward
+    assert "w_colmajor = 1" in backward and colmajor in backward
+    assert _site(forward) != _site(backward)  # GEMM plans differ: separate workspaces
+    assert "w_colmajor = 0" in rs[0] and colmajor not in rs[0]
+    assert "w_colmajor = 1" in bwd[0] and colmajor in bwd[0]
+    # (ct, w.T, g) -> (dx, dW, scratch for ct @ w.T)
+    assert "-> (tensor<512x256xbf16>, tensor<256x384xbf16>, tensor<1024x256xbf16>)" in bwd[0]
 
 
 def _site(call):

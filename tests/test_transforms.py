@@ -259,11 +259,12 @@ def _count_eqns(fn, *args):
 
 @pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
 def test_training_gathers_no_more_than_plain_jax(op):
-    """Differentiating w.r.t. x and w (training) must not gather more than JAX's autodiff of the
-    reference does: one gather per op (RS: the cotangent, shared by dx and dW; AG: x in the
-    forward, kept for dW), and that gather is inside an op that can run fused: the
-    all_gather_matmul variant that also returns what it gathered (RS: dx's, reading w.T in place;
-    AG: the forward). Both collectives of each op are fusable."""
+    """Differentiating w.r.t. x and w (training) must not communicate more than JAX's autodiff
+    of the reference does -- one gather and one reduce-scatter per op (RS: the cotangent gathered
+    once for dx and dW; AG: x gathered once in the forward, kept for dW) -- and every collective
+    is inside an op that can run fused: the all_gather_matmul variant that also returns what it
+    gathered (AG's forward; RS's backward, reading w.T in place), the RS op (RS's forward), and
+    the backward op that scatters AG's dx beside dW's GEMM."""
     mesh, fn, ref, x, w, in_specs, out_spec = _setup(op)
 
     def loss(f):
@@ -271,11 +272,35 @@ def test_training_gathers_no_more_than_plain_jax(op):
         return jax.grad(lambda x, w: jnp.sum(g(x, w) ** 2), argnums=(0, 1))
 
     ours, plain = _count_eqns(loss(fn), x, w), _count_eqns(loss(ref), x, w)
-    assert plain.get("all_gather", 0) == 1, plain
-    assert ours.get("all_gather", 0) == ours.get("all_gather_matmul", 0) == 0, ours
+    assert plain.get("all_gather", 0) == plain.get("reduce_scatter", 0) == 1, plain
+    for xla_collective in ("all_gather", "reduce_scatter", "psum", "all_gather_matmul"):
+        assert ours.get(xla_collective, 0) == 0, (xla_collective, ours)
     assert ours.get("all_gather_matmul_keep", 0) == 1, ours
-    assert ours.get("matmul_reduce_scatter", 0) == 1, ours
+    scatters = ("matmul_reduce_scatter", "all_gather_matmul_backward")
+    assert sum(ours.get(s, 0) for s in scatters) == 1, ours
     gx, gw = jax.jit(loss(fn))(x, w)
     rx, rw = jax.jit(loss(ref))(x, w)
     assert_close(gx, rx, F32)
     assert_close(gw, rw, F32)
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
+def test_training_internals_compose_with_jvp_and_vmap(op):
+    """The internal primitives of a training step (the all-gather variant that returns what it
+    gathered, the ops' tangents, the column-parallel backward) under forward-over-reverse
+    (Hessian-vector products) and vmap of the gradient: the reference's values."""
+    mesh, fn, ref, x, w, in_specs, out_spec = _setup(op)
+
+    def grads(f):
+        g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+        return jax.grad(lambda x, w: jnp.sum(jnp.sin(g(x, w))), argnums=(0, 1))
+
+    vx, vw = random(jax.random.key(7), x.shape, x.dtype), random(jax.random.key(8), w.shape, w.dtype)
+    hvp = lambda f: jax.jit(lambda x, w: jax.jvp(grads(f), (x, w), (vx, vw)))  # noqa: E731
+    (g1, t1), (g2, t2) = hvp(fn)(x, w), hvp(ref)(x, w)
+    for a, b in zip((*g1, *t1), (*g2, *t2), strict=True):
+        assert_close(a, b, F32)
+    xs = jnp.stack([x, 2 * x, -x])
+    batched = lambda f: jax.jit(jax.vmap(grads(f), in_axes=(0, None)))  # noqa: E731
+    for a, b in zip(batched(fn)(xs, w), batched(ref)(xs, w), strict=True):
+        assert_close(a, b, F32)

@@ -12,14 +12,19 @@ constexpr int kMaxRanks = 8;     // peers in one group (NVLink domain of one hos
 constexpr int kMaxChunks = 16;   // sub-chunks a row block is split into
 constexpr int kMaxSenders = 32;  // sender CTAs of one comm kernel (one arrival flag each)
 
-enum OpCode : int32_t { kOpGemmRs = 1, kOpReduceScatter = 2, kOpAgGemm = 3 };
+enum OpCode : int32_t {
+  kOpGemmRs = 1,
+  kOpReduceScatter = 2,
+  kOpAgGemm = 3,
+  kOpDgradRs = 4,  // the backward's dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc)
+};
 enum WaitWhat : int32_t {
   kWaitGemmChunk = 1,  // comm kernel waited for the local GEMM to finish a chunk
   kWaitSlotFree = 2,   // comm kernel waited for a peer to release its staging slot (last call)
   kWaitArrival = 3,    // a consumer waited for a peer's pushed chunk
   kWaitReduced = 4,    // the GEMM waited for the locally reduced peer sum (n > 2)
   kWaitAccReady = 5,   // reduce-push: waited for the owner to seed its accumulator
-  kWaitAgBlock = 6,    // all-gather + GEMM: the GEMM waited for a peer's block of x to land
+  kWaitCeBlock = 6,    // a block pushed by a peer's copy engine (x for the all-gather + GEMM)
 };
 
 // Lives in host-mapped pinned memory so the host reads it without synchronising with the GPU.

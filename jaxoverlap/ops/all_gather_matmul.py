@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
-from jax.interpreters import ad, batching
+from jax.interpreters import ad, batching, mlir
 
 from jaxoverlap import reference
 from jaxoverlap.ops import _common
@@ -116,8 +119,9 @@ def _transpose_w(ct, x, w, *, axis_name, gather_dimension, **params):
 def _jvp(primals, tangents, **params):
     """With a tangent on w (weights being trained) dW needs the gathered x, which plain JAX keeps
     from the forward as a residual: the forward is then the variant that also returns the x it
-    gathered (`all_gather_matmul_keep_p`, one gather for the product and dW, as in plain JAX),
-    and dx's transpose is the sibling matmul_reduce_scatter. Without a tangent on w: the op, and
+    gathered (`all_gather_matmul_keep_p`, one gather for the product and dW, as in plain JAX).
+    With tangents on both, the tangent is `all_gather_matmul_tangent_p`, whose transpose computes
+    dx's reduce-scatter beside dW's GEMM (`dgrad_rs_wgrad`). Without a tangent on w: the op, and
     the op again for the tangent."""
     x, w = primals
     dx, dw = tangents
@@ -132,10 +136,60 @@ def _jvp(primals, tangents, **params):
 
 def _tangent(gathered, w, dx, dw, params):
     """``all_gather(dx) @ w + all_gather(x) @ dw`` given the gathered x (dw is not zero)."""
-    tangent = jnp.matmul(gathered, dw)
-    if type(dx) is not ad.Zero:
-        tangent = tangent + all_gather_matmul_p.bind(dx, w, **params)
-    return tangent
+    if type(dx) is ad.Zero:
+        return jnp.matmul(gathered, dw)
+    return all_gather_matmul_tangent_p.bind(dx, dw, gathered, w, **params)
+
+
+# The op's tangent with tangents on both x and w, ``all_gather(dx) @ w + g @ dw`` (g: the gathered
+# x), as a linear primitive of (dx, dw): its transpose is one op computing dx's reduce-scatter and
+# dW's GEMM together, so the collective hides behind dW's GEMM. Internal.
+all_gather_matmul_tangent_p = core.Primitive(OP + "_tangent")
+
+
+def _tangent_reference(dx, dw, g, w, *, axis_name, gather_dimension, **params):
+    del params
+    return reference.all_gather_matmul(dx, w, axis_name, gather_dimension=gather_dimension) + (
+        jnp.matmul(g, dw)
+    )
+
+
+all_gather_matmul_tangent_p.def_abstract_eval(
+    lambda dx, dw, g, w, **params: _abstract_eval(dx, w, **params)
+)
+mlir.register_lowering(
+    all_gather_matmul_tangent_p, mlir.lower_fun(_tangent_reference, multiple_results=False)
+)
+
+
+def _tangent_transpose(ct, dx, dw, g, w, *, gather_dimension, **params):
+    """(dx, dW) = (psum_scatter(ct @ w.T), g.T @ ct): one op where it scatters rows, which runs
+    the reduce-scatter beside dW's GEMM on GPUs (`jaxoverlap.ops.dgrad_rs_wgrad`); else the
+    sibling matmul_reduce_scatter and a plain GEMM."""
+    undefined = [ad.is_undefined_primal(v) for v in (dx, dw)]
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval) if u else None for v, u in zip((dx, dw), undefined)] + [None, None]
+    wt, params = _common.transposed_w(w, params)
+    if gather_dimension < ct.ndim - 1:
+        from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
+
+        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, scatter_dimension=gather_dimension, **params)
+    else:
+        from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
+
+        dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
+        dw_ct = _common.contract_leading(g, ct)
+    return [dx_ct if undefined[0] else None, dw_ct if undefined[1] else None, None, None]
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Higher-order autodiff through the tangent primitive: JAX's rules for its reference."""
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(partial(_tangent_reference, **params), tuple(primals), tangents)
+
+
+def _tangent_batch(args, dims, **params):
+    return jax.vmap(partial(_tangent_reference, **params), in_axes=dims)(*args), 0
 
 
 def _keep_jvp(primals, tangents, **params):
@@ -160,7 +214,6 @@ def _keep_jvp(primals, tangents, **params):
 
 def _keep_batch(args, dims, **params):
     """vmap of the variant: the op's own batching rule for the product, a batched gather for x."""
-    import jax
 
     def both(x, w):
         out = all_gather_matmul_p.bind(x, w, **params)
@@ -174,6 +227,9 @@ ad.defbilinear(all_gather_matmul_p, _transpose_x, _transpose_w)
 ad.primitive_jvps[all_gather_matmul_p] = _jvp
 ad.primitive_jvps[all_gather_matmul_keep_p] = _keep_jvp
 batching.primitive_batchers[all_gather_matmul_keep_p] = _keep_batch
+ad.primitive_transposes[all_gather_matmul_tangent_p] = _tangent_transpose
+ad.primitive_jvps[all_gather_matmul_tangent_p] = _tangent_jvp
+batching.primitive_batchers[all_gather_matmul_tangent_p] = _tangent_batch
 batching.primitive_batchers[all_gather_matmul_p] = _common.batch_rule(
     all_gather_matmul_p.bind, "gather_dimension"
 )

@@ -181,8 +181,8 @@ def _jvp(primals, tangents, **params):
 
 def _tangent_jvp(primals, tangents, **params):
     """Higher-order autodiff through the tangent primitive: JAX's rules for its reference."""
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(partial(_tangent_reference, **params), primals, tangents)
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(partial(_tangent_reference, **params), tuple(primals), tangents)
 
 
 def _tangent_batch(args, dims, **params):

@@ -1,0 +1,141 @@
+// Copy-engine protocol kernels: the data moves with the copy engine (cudaMemcpyAsync, no SMs);
+// these one-thread kernels order it across GPUs. Used by the fused all-gather + GEMM
+// (jaxoverlap_ag_gemm_v1) and the dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc), which
+// pushes blocks of its dgrad partial the same way and sums what arrives (sum_blocks_kernel).
+// Protocol, as the all-gather uses it (rank r of n, workspace epoch e = Flags::epoch + 1 of this
+// call, never reset):
+//   copy stream, for each destination j = r + 1, ..., r - 1 (mod n):
+//     wait slot_free[j] >= e - 1 on r (j's GEMMs of the previous call no longer read the slot),
+//     per chunk k: copy x chunk k -> j's slot for r, then release arrive[r][k][0] = e on j.
+//   GEMM stream: own block first, then for each source s = r - 1, ..., r + 1 (mod n), per chunk:
+//     wait arrive[s][k][0] >= e on r, GEMM on the slot; last, release slot_free[r] = e on every
+//     peer (launch_release_slots), and the finish kernel advances the epoch after the join.
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/ce.h"
+
+namespace jaxoverlap {
+namespace {
+
+__global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int dst, int op,
+                                         uint64_t timeout_ns, ErrorRecord* err) {
+  const Flags* local = p.flags[p.rank];
+  const uint32_t e = local->epoch + 1u;
+  // The copy behind this kernel runs whatever it returns, so it must not give up on the call's
+  // abort word: `dst` may still be reading the slot for its previous call (a host that failed
+  // this call runs ahead of its GPU). Every counted call releases the slot (failed and refused
+  // ones too, close_call), so only a peer that truly stalls ends this wait -- at the timeout.
+  Peers q = p;
+  q.abort = nullptr;
+  if (!wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
+                 {op, kWaitSlotFree, dst, -1}) &&
+      p.abort) {
+    *(volatile uint32_t*)p.abort = e;  // timed out: give the call up on every rank now
+    __threadfence_system();
+  }
+}
+
+__global__ void ce_signal_arrival_kernel(const __grid_constant__ Peers p, int dst, int chunk,
+                                         int stall_rank) {
+  const uint32_t e = p.flags[p.rank]->epoch + 1u;
+  if (stall_rank == p.rank) return;
+  // The copy before this kernel in stream order has completed; the system-scope fence orders its
+  // writes (made by the copy engine) before the release as seen from the peer.
+  __threadfence_system();
+  st_release_sys(&p.flags[dst]->arrive[p.rank][chunk][0], e);
+}
+
+__global__ void ce_wait_arrival_kernel(const __grid_constant__ Peers p, int src, int chunk, int op,
+                                       uint64_t timeout_ns, ErrorRecord* err) {
+  const Flags* local = p.flags[p.rank];
+  const uint32_t e = local->epoch + 1u;
+  wait_flag(&local->arrive[src][chunk][0], e, true, timeout_ns, err, p,
+            {op, kWaitCeBlock, src, chunk});
+  fence_proxy_async();  // the GEMM may read the staged block through TMA
+}
+
+// 8 elements (16 bytes) per thread and step; f32 sums.
+template <typename T>
+__global__ void sum_blocks_kernel(T* out, const T* own, const T* blocks, int count,
+                                  int64_t stride, int64_t elems) {
+  const int64_t vecs = elems / 8;
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < vecs; v += step) {
+    float acc[8];
+    uint4 a = reinterpret_cast<const uint4*>(own)[v];
+    const T* pa = reinterpret_cast<const T*>(&a);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = (float)pa[i];
+    for (int b = 0; b < count; ++b) {
+      uint4 x = reinterpret_cast<const uint4*>(blocks + b * stride)[v];
+      const T* px = reinterpret_cast<const T*>(&x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += (float)px[i];
+    }
+    uint4 o;
+    T* po = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) po[i] = (T)acc[i];
+    reinterpret_cast<uint4*>(out)[v] = o;
+  }
+  // the tail (elems % 8), by the first threads
+  const int64_t t = vecs * 8 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < elems && t < vecs * 8 + 8) {
+    float acc = (float)own[t];
+    for (int b = 0; b < count; ++b) acc += (float)blocks[b * stride + t];
+    out[t] = (T)acc;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,
+                              int64_t stride, int64_t elems, DType dtype, cudaStream_t stream) {
+  const int threads = 256;
+  const int64_t vecs = std::max<int64_t>(1, elems / 8);
+  const int grid = (int)std::min<int64_t>((vecs + threads - 1) / threads, 132 * 8);
+  if (dtype == DType::kBF16)
+    sum_blocks_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(own),
+        static_cast<const __nv_bfloat16*>(blocks), count, stride, elems);
+  else
+    sum_blocks_kernel<__half><<<grid, threads, 0, stream>>>(
+        static_cast<__half*>(out), static_cast<const __half*>(own),
+        static_cast<const __half*>(blocks), count, stride, elems);
+  return cudaGetLastError();
+}
+
+cudaError_t preload_ce_kernels() {
+  cudaFuncAttributes attr;
+  const void* fns[] = {(const void*)ce_wait_slot_free_kernel,
+                       (const void*)ce_signal_arrival_kernel,
+                       (const void*)ce_wait_arrival_kernel,
+                       (const void*)sum_blocks_kernel<__nv_bfloat16>,
+                       (const void*)sum_blocks_kernel<__half>};
+  for (const void* f : fns)
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, f)) return e;
+  return cudaSuccess;
+}
+
+cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64_t timeout_ns,
+                                     ErrorRecord* err, cudaStream_t stream) {
+  ce_wait_slot_free_kernel<<<1, 1, 0, stream>>>(peers, dst, op, timeout_ns, err);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
+                                     cudaStream_t stream) {
+  ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
+                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream) {
+  ce_wait_arrival_kernel<<<1, 1, 0, stream>>>(peers, src, chunk, op, timeout_ns, err);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxoverlap

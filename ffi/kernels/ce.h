@@ -1,0 +1,35 @@
+// Host-side declarations of the copy-engine protocol kernels (ffi/kernels/ce.cu), shared by the
+// fused all-gather + GEMM and the backward's dgrad reduce-scatter beside the wgrad GEMM: the data
+// moves with cudaMemcpyAsync (no SMs); one-thread kernels wait for or release the flags around
+// those pushes. Plus the sum of pushed blocks. Plain CUDA runtime types only, so the handlers can
+// include it without device code. `op` (OpCode) names the op in a timeout's report.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/comm.h"
+
+namespace jaxoverlap {
+
+// Force-load every kernel below on the current device (lazy module loading must never happen
+// while one of our waits spins).
+cudaError_t preload_ce_kernels();
+// Copy stream, before pushing into rank `dst`'s slot: wait until `dst` released that slot in
+// the previous call on this workspace (Flags::slot_free[dst] >= epoch).
+cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64_t timeout_ns,
+                                     ErrorRecord* err, cudaStream_t stream);
+// Copy stream, after the push of chunk `chunk` into rank `dst`'s slot: release
+// Flags::arrive[rank][chunk][0] = epoch + 1 on `dst` (.sys). stall_rank == rank: never (tests).
+cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
+                                     cudaStream_t stream);
+// Before reading rank `src`'s chunk `chunk` from this rank's slot: wait for its arrival flag.
+cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
+                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
+// out[i] = own[i] + sum over `count` blocks b of blocks[b * stride + i], i < elems, in f32, for
+// bf16 or f16 data. Every pointer and `stride` 16-byte aligned (elems: any).
+cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,
+                              int64_t stride, int64_t elems, DType dtype, cudaStream_t stream);
+
+}  // namespace jaxoverlap

@@ -1,0 +1,84 @@
+"""The fused path of a column-parallel layer's backward (`jaxoverlap.ops.dgrad_rs_wgrad`).
+
+For ``y = all_gather(x) @ w`` trained in both x and w, the backward needs
+``dx = psum_scatter(ct @ w.T)`` and ``dW = all_gather(x).T @ ct``. XLA runs the reduce-scatter
+between the two GEMMs with nothing beside it (measured: every collective of a TP layer's step is
+exposed). The custom call ``jaxoverlap_dgrad_rs_wgrad_v1`` (ffi/bulk_ffi.cc) runs the dgrad GEMM
+whole, pushes the peers' blocks of its result with the copy engine while the weight-gradient GEMM
+runs, then sums what arrived: the reduce-scatter hides behind dW's GEMM and neither GEMM is split
+(Transformer Engine's "bulk" overlap of the backward, without SMs for the communication).
+
+Same contract as `jaxoverlap.fused`: ``unsupported_reason`` at trace time, ``lower`` at lowering
+time (raises `fused.FusedUnavailable`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax._src import core
+
+from jaxoverlap import fused, runtime, topology
+
+TARGET = "jaxoverlap_dgrad_rs_wgrad_v1"
+
+# backend="auto" where untuned (not measured yet: a bandwidth model). The push of (n - 1) blocks
+# of m x K (copy engine, ~390 GB/s) must fit under the wgrad GEMM (2 M K N flops, ~650 TFLOP/s):
+# N >= ~930 at n = 2, ~1600 at n = 8 -- so N >= 2048; and blocks of >= 1M elements (2 MB), below
+# which NCCL's reduce-scatter is latency-bound and cheap while the fused call's fixed costs stay.
+_AUTO_MIN_N = 2048
+_AUTO_MIN_BLOCK = 1 << 20
+
+
+def unsupported_reason(ct, wt, params, axis_size):
+    """None if the fused backward can run for ct[..., N] and w.T[N, K], else why not."""
+    why = runtime.unavailable_reason()
+    if why:
+        return why
+    if ct.dtype != wt.dtype or not any(ct.dtype == np.dtype(t) for t in fused._SUPPORTED):
+        return f"the fused kernel supports bfloat16 and float16, not {ct.dtype}"
+    d = params["scatter_dimension"]
+    if d >= ct.ndim - 1 or math.prod(ct.shape[:d]) != 1:
+        return (
+            f"the fused backward scatters blocks of rows of ct[..., N]; dimension {d} of "
+            f"ct{tuple(ct.shape)} is not"
+        )
+    n = int(axis_size)
+    if not 2 <= n <= topology.MAX_GROUP:
+        return f"group size {n} is outside 2..{topology.MAX_GROUP}"
+    n_cols, k = wt.shape
+    rows = math.prod(ct.shape[:-1])
+    if rows == 0 or rows % n:
+        return f"the rows of ct ({rows}) are not a positive multiple of the group size {n}"
+    block = rows // n * k
+    if k % 8 or n_cols % 8 or block % 128:
+        return f"K={k}, N={n_cols} must be multiples of 8 and rows/n x K of 128 elements"
+    if params["config"].backend == "auto" and (n_cols < _AUTO_MIN_N or block < _AUTO_MIN_BLOCK):
+        return (
+            f"backend='auto': N={n_cols} and a block of {rows // n}x{k} are below the rule for the "
+            f"fused backward (N >= {_AUTO_MIN_N}, blocks >= {_AUTO_MIN_BLOCK} elements)"
+        )
+    return None
+
+
+def lower(ctx, ct, wt, g, params):
+    """The custom call; returns [dx, dW] (its third result, a scratch for ct @ w.T, is XLA's
+    buffer: no memory held between calls)."""
+    ct_aval, wt_aval, g_aval = ctx.avals_in
+    table = fused._group_table(ctx, params["axis_name"])
+    runtime.register_targets()
+    kind = (TARGET, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
+    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind)
+    colmajor = bool(params["w_colmajor"])
+    row_major = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731
+    layouts = [row_major(ct_aval), (0, 1) if colmajor else (1, 0), row_major(g_aval)]
+    rows = math.prod(ct_aval.shape[:-1])
+    scratch = core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype)
+    call = jax.ffi.ffi_lowering(TARGET, operand_layouts=layouts)
+    inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
+    results = call(
+        inner, ct, wt, g, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs
+    )
+    return list(results)[:2]
