@@ -173,7 +173,8 @@ def _tangent_transpose(ct, dx, dw, g, w, *, gather_dimension, **params):
     if gather_dimension < ct.ndim - 1:
         from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
 
-        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, scatter_dimension=gather_dimension, **params)
+        params = {**params, "scatter_dimension": gather_dimension}
+        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, **params)
     else:
         from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
 
