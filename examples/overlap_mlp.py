@@ -64,8 +64,12 @@ def make_step(model):
 
 
 def count_ops(fn, *args):
-    """How many times each jaxoverlap op appears in ``fn``'s jaxpr, at any depth."""
-    counts = dict.fromkeys(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"), 0)
+    """How many times each jaxoverlap op appears in ``fn``'s jaxpr, at any depth -- with the
+    internal ones a training step binds: the all-gather that also returns what it gathered
+    (``_keep``) and the column-parallel backward (``all_gather_matmul_backward``)."""
+    names = ("all_gather_matmul", "all_gather_matmul_keep", "matmul_reduce_scatter")
+    names += ("all_gather_matmul_backward", "matmul_all_reduce")
+    counts = dict.fromkeys(names, 0)
 
     def visit(jaxpr):
         for eqn in jaxpr.eqns:

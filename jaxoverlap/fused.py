@@ -125,6 +125,9 @@ def _auto_reason(op, m, k, n_cols, dtype, n):
 
 
 _stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
+_stall_target: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "stall_target", default=None
+)
 _profile: contextvars.ContextVar[int] = contextvars.ContextVar("profile", default=0)
 
 
@@ -133,14 +136,17 @@ class FusedUnavailable(Exception):
 
 
 @contextlib.contextmanager
-def _stalled_rank_for_tests(rank: int):
-    """Test-only: ops lowered inside this block make ``rank`` never signal its pushes, so its
-    peers must time out with an error naming it (instead of hanging)."""
+def _stalled_rank_for_tests(rank: int, target: str | None = None):
+    """Test-only: ops lowered inside this block (only the custom calls named ``target``, if
+    given) make ``rank`` never signal its pushes, so its peers must time out with an error
+    naming it (instead of hanging)."""
     token = _stall_rank.set(int(rank))
+    target_token = _stall_target.set(target)
     try:
         yield
     finally:
         _stall_rank.reset(token)
+        _stall_target.reset(target_token)
 
 
 @contextlib.contextmanager
@@ -286,7 +292,7 @@ def _table_attrs(table, comm_sms, chunks, timeout_s, kind=()):
         comm_sms=int(comm_sms),
         chunks=int(chunks),
         timeout_s=float(timeout_s),
-        stall_rank=int(_stall_rank.get()),
+        stall_rank=int(_stall_rank.get()) if _stall_target.get() in (None, *kind[:1]) else -1,
     )
 
 

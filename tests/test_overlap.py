@@ -273,7 +273,11 @@ def test_example_overlap_mlp(capsys, monkeypatch):
     runpy.run_path(str(path), run_name="__main__")
     out = capsys.readouterr().out
     assert "2 of 2 candidates rewritten" in out, out
-    # Training: the forward reduce-scatter and dx of the gather run as the op; the gathers stay
-    # plain all_gathers shared by dx and dW (ops/*: _jvp), as JAX's own backward has them.
-    assert "'all_gather_matmul': 0, 'matmul_reduce_scatter': 2" in out, out
+    # Training: every collective is in an op that can run fused (ops/*: _jvp): the gathers are
+    # the variant that returns what it gathered (forward: x kept for dW; backward of the
+    # reduce-scatter: the cotangent, shared by dx and dW), the forward reduce-scatter is the op,
+    # and the gather's backward reduce-scatters dx beside dW's GEMM.
+    want = "'all_gather_matmul_keep': 2, 'matmul_reduce_scatter': 1, "
+    want += "'all_gather_matmul_backward': 1"
+    assert want in out, out
     assert float(re.search(r"loss and gradients: (\S+)", out).group(1)) < 1e-5, out

@@ -9,6 +9,7 @@
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
 # --layer: also the transformer layer's train step (tuned first; tuning cache under $LOG);
 # --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked).
+# GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
 # machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
@@ -106,8 +107,9 @@ if ((STRESS)); then
   step stress 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/stress.py
 fi
 if ((LAYER)); then
+  read -r -a LAYER_FLAGS <<<"${GPU_CHECK_LAYER_FLAGS:-}"
   step bench-layer 300 env XDG_CACHE_HOME="$LOG/cache" "$PY" benchmarks/transformer_layer.py \
-    --tune --out "$RESULTS" "${BENCH_FLAGS[@]}"
+    --tune --out "$RESULTS" "${BENCH_FLAGS[@]}" "${LAYER_FLAGS[@]}"
 fi
 if ((CPU_TESTS)); then
   # The CI suite on 8 fake CPU devices (JAX_PLATFORMS=cpu, as in CI): it expects CPU devices.

@@ -1,0 +1,210 @@
+"""A training step's fused calls on 2 GPUs against XLA's: the all-gather variant that returns
+what it gathered, the backward's w.T read in place, and the column-parallel backward that
+reduce-scatters dx beside dW's GEMM (ffi/bulk_ffi.cc)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap import Config, fused, fused_backward
+
+from .test_ag_gemm_gpu import assert_w_transposes_are_free
+
+pytestmark = pytest.mark.gpu
+
+FUSED = Config(backend="fused")
+XLA = Config(backend="xla")
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+def _close(got, want, dtype, what=""):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, what
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-6)
+    assert err < TOL[dtype], f"{what}: max error {err:.3g} of max |ref|"
+
+
+def _put(mesh, a, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def _grads(mesh, op, config, x_spec, w_spec, out_spec):
+    def body(x, w):
+        if op == "ag":
+            return jaxoverlap.all_gather_matmul(x, w, "tp", config=config)
+        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32))), (0, 1)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows", [(2 * 1024,), (2, 512)])
+def test_column_parallel_backward(gpus, dtype, rows):
+    """d/dx and d/dW of all_gather_matmul in one call: the dgrad reduce-scatter beside dW's GEMM,
+    reading w.T in place; x 2-D, or 3-D gathered over its first dimension."""
+    mesh = Mesh(np.array(gpus), ("tp",))
+    k, n_local = 1024, 2048
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = _put(mesh, jax.random.normal(kx, (*rows, k)).astype(dtype), P("tp"))
+    w = _put(mesh, (jax.random.normal(kw, (k, 2 * n_local)) / 32).astype(dtype), P(None, "tp"))
+    out_spec = P(*([None] * len(rows)), "tp")
+    fused_grads = _grads(mesh, "ag", FUSED, P("tp"), P(None, "tp"), out_spec)
+    hlo = fused_grads.lower(x, w).compile().as_text()
+    assert hlo.count(f'custom_call_target="{fused_backward.TARGET}"') == 1
+    assert hlo.count(f'custom_call_target="{fused.AG_GEMM_KEEP_TARGET}"') == 1
+    assert "reduce-scatter" not in hlo and "all-gather" not in hlo
+    assert_w_transposes_are_free(hlo, expected=1)
+    want = _grads(mesh, "ag", XLA, P("tp"), P(None, "tp"), out_spec)(x, w)
+    got = fused_grads(x, w)
+    for name, a, b in zip(("dx", "dW"), got, want, strict=True):
+        _close(a, b, dtype, name)
+    again = fused_grads(x, w)
+    for a, b in zip(got, again, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))  # deterministic
+
+
+def test_row_parallel_backward(gpus):
+    """d/dx and d/dW of matmul_reduce_scatter: the cotangent gathered once (fused, with w.T read
+    in place) for both."""
+    mesh = Mesh(np.array(gpus), ("tp",))
+    m, k_local, n = 2048, 1024, 2048
+    kx, kw = jax.random.split(jax.random.key(4))
+    x = _put(mesh, jax.random.normal(kx, (m, 2 * k_local)).astype(jnp.bfloat16), P(None, "tp"))
+    w = _put(mesh, (jax.random.normal(kw, (2 * k_local, n)) / 45).astype(jnp.bfloat16), P("tp"))
+    fused_grads = _grads(mesh, "rs", FUSED, P(None, "tp"), P("tp"), P("tp"))
+    hlo = fused_grads.lower(x, w).compile().as_text()
+    assert hlo.count(f'custom_call_target="{fused.AG_GEMM_KEEP_TARGET}"') == 1
+    assert "all-gather" not in hlo
+    assert_w_transposes_are_free(hlo, expected=1)
+    want = _grads(mesh, "rs", XLA, P(None, "tp"), P("tp"), P("tp"))(x, w)
+    for name, a, b in zip(("dx", "dW"), fused_grads(x, w), want, strict=True):
+        _close(a, b, jnp.bfloat16, name)
+
+
+def test_scanned_mlp_training_steps(gpus):
+    """Three SGD steps of a two-layer sequence-parallel MLP under lax.scan: every collective of
+    the step fused, the losses and weights those of XLA's step."""
+    mesh = Mesh(np.array(gpus), ("tp",))
+    d, f_local, layers = 1024, 2048, 2
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = _put(mesh, jax.random.normal(keys[0], (4096, d)).astype(jnp.bfloat16), P("tp"))
+    w1 = _put(
+        mesh,
+        (jax.random.normal(keys[1], (layers, d, 2 * f_local)) / 32).astype(jnp.bfloat16),
+        P(None, None, "tp"),
+    )
+    w2 = _put(
+        mesh,
+        (jax.random.normal(keys[2], (layers, 2 * f_local, d)) / 64).astype(jnp.bfloat16),
+        P(None, "tp"),
+    )
+
+    def train(config):
+        def model(x, w1, w2):
+            def layer(h, ws):
+                u = jaxoverlap.all_gather_matmul(h, ws[0], "tp", config=config)
+                return h + jaxoverlap.matmul_reduce_scatter(
+                    jax.nn.gelu(u), ws[1], "tp", config=config
+                ), None
+
+            return lax.scan(layer, x, (w1, w2))[0]
+
+        f = jax.shard_map(
+            model,
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, None, "tp"), P(None, "tp")),
+            out_specs=P("tp"),
+        )
+
+        def step(ws, _):
+            loss, g = jax.value_and_grad(
+                lambda ws: jnp.mean(jnp.square(f(x, *ws).astype(jnp.float32)))
+            )(ws)
+            return jax.tree.map(lambda p, g: p - 0.5 * g.astype(p.dtype), ws, g), loss
+
+        return jax.jit(lambda ws: lax.scan(step, ws, None, length=3))
+
+    fused_train = train(FUSED)
+    hlo = fused_train.lower((w1, w2)).compile().as_text()
+    assert "all-gather" not in hlo and "reduce-scatter" not in hlo
+    assert f'custom_call_target="{fused_backward.TARGET}"' in hlo
+    (fw1, fw2), flosses = fused_train((w1, w2))
+    (xw1, xw2), xlosses = train(XLA)((w1, w2))
+    np.testing.assert_allclose(np.asarray(flosses), np.asarray(xlosses), rtol=3e-2)
+    _close(fw1, xw1, jnp.bfloat16, "w1")
+    _close(fw2, xw2, jnp.bfloat16, "w2")
+
+
+_STALL = """
+import jax, jax.numpy as jnp, numpy as np, time
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxoverlap
+from jaxoverlap import fused
+mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+cfg = jaxoverlap.Config(backend="fused", timeout_s=1.0)
+def grads(config):
+    f = jax.shard_map(lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", config=config),
+                      mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2), (0, 1)))
+x = jax.device_put(jax.random.normal(jax.random.key(0), (2048, 1024), jnp.bfloat16),
+                   NamedSharding(mesh, P("tp")))
+w = jax.device_put(jax.random.normal(jax.random.key(1), (1024, 4096), jnp.bfloat16) / 32,
+                   NamedSharding(mesh, P(None, "tp")))
+with fused._stalled_rank_for_tests(1, target="jaxoverlap_dgrad_rs_wgrad_v1"):
+    g = grads(cfg)
+    g.lower(x, w)
+t0 = time.time()
+dx, dw = g(x, w)
+dx = np.asarray(dx, np.float32)
+print("STALLED rank0_nan=%s seconds=%.1f" % (bool(np.isnan(dx[:1024]).all()), time.time() - t0))
+try:
+    jaxoverlap.check_errors()
+    print("CHECK none")
+except jaxoverlap.FusedCallError as e:
+    print("CHECK " + str(e).replace(chr(10), " ")[:2000])
+for _ in range(4):
+    try:
+        jaxoverlap.check_errors()
+    except jaxoverlap.FusedCallError:
+        pass
+want = grads(jaxoverlap.Config(backend="xla"))(x, w)[0]
+got = grads(jaxoverlap.Config(backend="fused"))(x, w)[0]
+want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+print("AGAIN err=%.3g" % (np.abs(got - want).max() / np.abs(want).max()))
+"""
+
+
+def test_stalled_peer_in_the_backward_is_reported(gpus):
+    """Rank 1 never signals its pushes of dx's blocks (test-only knob, 1 s timeout): rank 0
+    gives up with NaN in its dx, check_errors() names the op, rank and peer, and the next
+    training step on the same GPUs is right."""
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-c", _STALL],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    out = p.stdout + p.stderr
+    assert time.time() - t0 < 180
+    lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines()}
+    assert "rank0_nan=True" in lines.get("STALLED", ""), out[-3000:]
+    check = lines.get("CHECK", "")
+    assert "dgrad reduce-scatter" in check and "(rank 0)" in check, out[-3000:]
+    assert "peer rank 1" in check, out[-3000:]
+    assert float(lines["AGAIN"].split("err=")[1]) < 2e-2, out[-3000:]
