@@ -272,7 +272,8 @@ def site_key(table, comm_sms, chunks, kind):
     step) share it too. Every rank must then issue their calls in one order: XLA launches
     programs from several Python threads in one order on every GPU today, and each call is
     checked (`_call_tag`, ffi/call_order.h): calls paired out of order are given up on every
-    rank (NaN outputs) and raise `FusedCallError`, never run on the wrong data (docs/call-order.md)."""
+    rank (NaN outputs) and reported like a timeout (`check_errors`, or the next fused call
+    raises), never run on each other's data (docs/call-order.md)."""
     text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
