@@ -21,8 +21,7 @@ ffi::Error RsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                   ffi::Result<ffi::AnyBuffer> out, int64_t site, ffi::Span<const int32_t> ordinals,
                   ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
                   int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
-                  int64_t profile,
-                  int64_t call_tag, ffi::RunId run_id) {
+                  int64_t profile, int64_t call_tag, ffi::RunId run_id) {
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;

@@ -113,11 +113,11 @@ struct WaitSite {
 
 // Spins until *p reaches `target` (monotonic epochs) and returns true. Gives up and returns
 // false when the call is aborted (its abort word, abort_word(Peers::abort, e), holds the call's
-// epoch target `e`, set by another wait or by a host; also checked when the flag was satisfied only by a later call's value) or
-// after `timeout_ns`; a timeout fills the host-mapped error record, prints it and sets the
-// abort word. Either way it marks this rank's Flags::gave_up = e (the join then
-// fills the outputs with NaN). Callers stop issuing work, drain their TMA operations and return:
-// no __trap, so the CUDA context stays usable and the next call works.
+// epoch target `e`, set by another wait or by a host; also checked when the flag was satisfied
+// only by a later call's value) or after `timeout_ns`; a timeout fills the host-mapped error
+// record, prints it and sets the abort word. Either way it marks this rank's Flags::gave_up = e
+// (the join then fills the outputs with NaN). Callers stop issuing work, drain their TMA
+// operations and return: no __trap, so the CUDA context stays usable and the next call works.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
 __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target, bool sys,
