@@ -84,7 +84,7 @@ _THREADS = textwrap.dedent(
             except Exception as e:  # a refused call raises the earlier failure
                 v = ["raised"]
                 with lock:
-                    errors.append(str(e).replace(chr(10), " ")[:600])
+                    errors.append(str(e).replace(chr(10), " ")[:2000])
             with lock:
                 for s in v:
                     counts[s] = counts.get(s, 0) + 1
@@ -98,7 +98,7 @@ _THREADS = textwrap.dedent(
     errors += drain()
     print("COUNTS", " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     for e in errors:
-        print("ERROR", e[:600])
+        print("ERROR", e[:2000])
     v = verdict(step(xa, w), want["step"])  # afterwards: in step again
     print("AFTER", " ".join(v), len(drain()))
     """
@@ -155,9 +155,9 @@ _DIVERGENT = textwrap.dedent(
         print("FIRST", " ".join(verdict(first, ref(x1, w), rows=(0,))))  # rank 1's: the skip
         print("SECOND", " ".join(verdict(second, ref(x2, w))))
     except Exception as e:  # the report refused rank 0's second call (if it came after it)
-        print("RAISED", str(e).replace(chr(10), " ")[:600])
+        print("RAISED", str(e).replace(chr(10), " ")[:2000])
     for e in drain():
-        print("ERROR", e[:600])
+        print("ERROR", e[:2000])
     """
 )
 
