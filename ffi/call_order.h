@@ -6,6 +6,10 @@
 // issued on this workspace before -- and the first rank to issue call number k records it; every
 // later rank compares its own. A difference means the ranks paired two different calls: the
 // caller gives that call up on every rank (runtime.h: begin_call).
+// Every counter below depends only on the rank's own sequence of calls, so ranks that issue the
+// same sequence never disagree, whatever the interleaving of their hosts; at the first number
+// where two ranks' sequences differ, their (run, tag) differ. The occurrence tells apart calls
+// mispaired after that (one scan body's iterations k and k + 1).
 //
 // Host-only, no CUDA: used under Workspace::seq_mu, and compiled alone by the CPU test
 // tests/test_call_order.py.
