@@ -119,7 +119,7 @@ def test_two_programs_sharing_a_workspace_from_two_threads(gpus):
     # (every wait is bounded by timeout_s=5). XLA gang-schedules multi-device launches today, so
     # the two programs should reach both GPUs in one order and every result be right; if they
     # do not, the guard gives the mispaired calls up and says so instead of mixing their data.
-    p, out = _run(_THREADS, timeout_s=5.0, iters=150, timeout=420)
+    p, out = _run(_THREADS, timeout_s=5.0, iters=100, timeout=90)
     counts = next((ln for ln in p.stdout.splitlines() if ln.startswith("COUNTS")), "")
     assert counts and "WRONG" not in counts, out[-4000:]
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("ERROR")]
@@ -168,7 +168,7 @@ def test_control_flow_that_differs_between_ranks_is_an_error_not_wrong_data(gpus
     # is given up on both ranks (NaN) and reported as an order violation. Rank 0's second call
     # then either is refused with that report (if the report came first: the program raises)
     # or has no partner in this program and times out after timeout_s (NaN, reported).
-    p, out = _run(_DIVERGENT, timeout_s=3.0, timeout=240)
+    p, out = _run(_DIVERGENT, timeout_s=3.0, timeout=90)
     lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines()}
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("ERROR")]
     if "RAISED" in lines:
