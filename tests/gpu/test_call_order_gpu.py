@@ -144,6 +144,7 @@ _DIVERGENT = textwrap.dedent(
     def body(x1, x2, w):
         skip = jnp.zeros((x1.shape[0] // 2, w.shape[1]), w.dtype) + 0 * x1[0, 0]
         first = lax.cond(lax.axis_index("tp") == 0, lambda: rs(x1, w, FUSED), lambda: skip)
+        first, x2 = lax.optimization_barrier((first, x2))  # the cond first, on every rank
         return first, rs(x2, w, FUSED)
 
     spec = dict(mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P("tp", None)),
