@@ -185,8 +185,12 @@ inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceR
   bool misordered = false;
   *index = begin_call(ws, rank, id, &refused, &misordered);
   *given_up = misordered && refused.empty();
-  if (*given_up) close_call(xla_stream, dev, nullptr, ws, rank, &out);
-  if (refused.empty()) return ffi::Error::Success();
+  if (!*given_up && refused.empty()) return ffi::Error::Success();
+  preload(dev);  // best effort: this may be the device's first call (its kernels not loaded yet)
+  if (*given_up) {
+    close_call(xla_stream, dev, nullptr, ws, rank, &out);
+    return ffi::Error::Success();
+  }
   close_call(xla_stream, dev, nullptr, ws, rank);
   return ffi::Error(ffi::ErrorCode::kAborted,
                     std::string(kWhat) + ": an earlier fused call failed: " + refused);
