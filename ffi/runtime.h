@@ -78,7 +78,8 @@ void report_failure(const std::string& what);
 // from two threads do as long as XLA queues launches in one order on every device (its
 // multi-device launches are gang-scheduled today), and control flow that differs between
 // devices breaks it. `order` checks it on every call (call_order.h): a call that differs from
-// another rank's call of the same number is given up on every rank and reported, never run.
+// another rank's call of the same number is given up on every rank and reported: no rank
+// computes a result from another call's data.
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank
