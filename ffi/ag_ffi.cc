@@ -28,7 +28,8 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
                   ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, int64_t site,
                   ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                   ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
-                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t w_colmajor) {
+                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
+                  ffi::RunId run_id, int64_t w_colmajor) {
   (void)comm_sms;  // the copy engine needs no SMs
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
@@ -71,13 +72,17 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure()) return e;
-  // The join's view of the streams: GEMMs run on XLA's stream, the pushes on `copy`.
-  Partition streams;
-  streams.gemm = xla_stream;
+  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
   char* gp = gathered ? static_cast<char*>(gathered->untyped_data()) : nullptr;
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype, gp,
                       gathered ? (int64_t)gathered->size_bytes() : 0};
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
+                                output, &index, &given_up);
+      e.failure() || given_up)
+    return e;
+  // The join's view of the streams: GEMMs run on XLA's stream, the pushes on `copy`.
+  Partition streams;
+  streams.gemm = xla_stream;
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
     if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);
@@ -182,9 +187,11 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
 #define JAXOVERLAP_AG_ATTRS                                                                    \
   int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
-      double timeout_s, int64_t stall_rank, int64_t profile, int64_t w_colmajor
-#define JAXOVERLAP_AG_ARGS \
-  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, w_colmajor
+      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag, ffi::RunId run_id, \
+      int64_t w_colmajor
+#define JAXOVERLAP_AG_ARGS                                                                    \
+  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
+      run_id, w_colmajor
 
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, JAXOVERLAP_AG_ATTRS) {

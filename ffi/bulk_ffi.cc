@@ -30,7 +30,8 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
                             int64_t site, ffi::Span<const int32_t> ordinals,
                             ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
                             int64_t n, int64_t comm_sms, int64_t chunks, double timeout_s,
-                            int64_t stall_rank, int64_t profile, int64_t w_colmajor) {
+                            int64_t stall_rank, int64_t profile, int64_t call_tag,
+                            ffi::RunId run_id, int64_t w_colmajor) {
   (void)comm_sms;  // the copy engine needs no SMs
   (void)chunks;    // one block per peer: neither GEMM is split
   uint64_t timeout_ns = 0;
@@ -71,11 +72,16 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure()) return e;
+  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
+  char* dxp = static_cast<char*>(dx->untyped_data());
+  const Output output{dxp, (int64_t)dx->size_bytes(), dtype, dw->untyped_data(),
+                      (int64_t)dw->size_bytes()};
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
+                                output, &index, &given_up);
+      e.failure() || given_up)
+    return e;
   Partition streams;  // the join's view: GEMMs on XLA's stream, the pushes on `copy`
   streams.gemm = xla_stream;
-  char* dxp = static_cast<char*>(dx->untyped_data());
-  const Output output{dxp, (int64_t)dx->size_bytes(), dtype};  // dW is local: never poisoned
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
     if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);

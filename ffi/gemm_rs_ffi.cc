@@ -24,7 +24,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                       int64_t chunks, double timeout_s, int64_t stall_rank,
-                      int64_t profile, int64_t w_colmajor) {
+                      int64_t profile, int64_t call_tag, ffi::RunId run_id,
+                      int64_t w_colmajor) {
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
@@ -64,7 +65,11 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, &index); e.failure())
+  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
+  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
+                                {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, &index,
+                                &given_up);
+      e.failure() || given_up)
     return e;
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);

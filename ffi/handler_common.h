@@ -194,14 +194,26 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   cudaGetLastError();
 }
 
-// Starts this rank's call of `ws` (runtime.h: begin_call). If the call is the one chosen to
-// report an earlier failure, every rank refuses it alike: it launches nothing but close_call and
-// returns that report as its error.
+// Starts this rank's call of `ws`, the logical call `id` (runtime.h: begin_call). If the call is
+// the one chosen to report an earlier failure, every rank refuses it alike: it launches nothing
+// but close_call and returns that report as its error. If another rank issued a different
+// logical call under the same number (calls issued in different orders), the call is given up
+// on every rank: this rank launches nothing but close_call with `out` filled with NaN, and sets
+// `*given_up`; the handler then returns success (like fail_call: an error would stop this
+// rank's program alone) and the report is raised by check_errors() or the next fused call.
 inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                             Workspace* ws, int rank, uint32_t* index) {
+                             Workspace* ws, int rank, CallId id, const Output& out,
+                             uint32_t* index, bool* given_up) {
   std::string refused;
-  *index = begin_call(ws, rank, &refused);
-  if (refused.empty()) return ffi::Error::Success();
+  bool misordered = false;
+  *index = begin_call(ws, rank, id, &refused, &misordered);
+  *given_up = misordered && refused.empty();
+  if (!*given_up && refused.empty()) return ffi::Error::Success();
+  preload(dev);  // best effort: this may be the device's first call (its kernels not loaded yet)
+  if (*given_up) {
+    close_call(xla_stream, dev, nullptr, ws, rank, &out);
+    return ffi::Error::Success();
+  }
   close_call(xla_stream, dev, nullptr, ws, rank);
   return ffi::Error(ffi::ErrorCode::kAborted,
                     std::string(kWhat) + ": an earlier fused call failed: " + refused);
@@ -216,7 +228,7 @@ inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceR
 inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
                             const Partition* part, Workspace* ws, int rank, uint32_t index,
                             const Output& out, const ffi::Error& err) {
-  *(volatile uint32_t*)ws->abort = index;
+  abort_call(ws, index);
   close_call(xla_stream, dev, part, ws, rank, &out);
   report_failure(err.message() + " (on device " + std::to_string(ws->ordinals[rank]) +
                  ", rank " + std::to_string(rank) + "; the call was given up on every rank of "
@@ -238,7 +250,9 @@ auto bind_common_attrs(Binding&& binding) {
       .template Attr<int64_t>("chunks")
       .template Attr<double>("timeout_s")
       .template Attr<int64_t>("stall_rank")
-      .template Attr<int64_t>("profile");
+      .template Attr<int64_t>("profile")
+      .template Attr<int64_t>("call_tag")  // with the run id: which logical call (call_order.h)
+      .template Ctx<ffi::RunId>();
 }
 
 }  // namespace jaxoverlap

@@ -321,17 +321,32 @@ std::string take_error() {
   return e;
 }
 
-uint32_t begin_call(Workspace* ws, int rank, std::string* refused) {
+uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bool* misordered) {
   notice_errors();
   uint32_t index;
   refused->clear();
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(ws->seq_mu);
     index = ++ws->issued[rank];
     if (ws->refuse_at == index) *refused = ws->refuse_msg;
+    *misordered = !ws->order.issue(rank, ws->n, id, &why);
+    if (*misordered) abort_call(ws, index);  // before anything else: peers may be spinning
   }
-  if (!refused->empty()) delivered(*refused);  // not under seq_mu: delivered() takes them all
+  // Not under seq_mu: delivered() and report_failure() take every workspace's.
+  if (!refused->empty()) delivered(*refused);
+  if (!why.empty()) {
+    std::string where;
+    for (int r = 0; r < ws->n; ++r)
+      where += (r ? ", " : "") + std::to_string(ws->ordinals[r]);
+    report_failure(why + " (group of devices " + where + "; found by rank " +
+                   std::to_string(rank) + ")");
+  }
   return index;
+}
+
+void abort_call(Workspace* ws, uint32_t index) {
+  *(volatile uint32_t*)abort_word(ws->abort, index) = index;
 }
 
 namespace {
@@ -368,10 +383,10 @@ std::string create_workspace(Workspace* ws, bool with_partials) {
   }
   Peers& base = ws->peers[0];
   base.n = n;
-  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t),
+  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
                                     cudaHostAllocMapped | cudaHostAllocPortable))
-    return cuda_error("cudaHostAlloc (abort word)", e);
-  *ws->abort = 0;
+    return cuda_error("cudaHostAlloc (abort words)", e);
+  for (uint32_t i = 0; i < kAbortSlots; ++i) ws->abort[i] = i ^ 1u;  // no epoch of slot i
   // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
   base.abort = ws->abort;
   for (int i = 0; i < n; ++i) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "call_order.h"
 #include "gemm.h"
 #include "kernels/common.cuh"
 
@@ -70,10 +71,15 @@ void report_failure(const std::string& what);
 // Ordering of the calls that share a workspace: on each device, every call waits for the
 // previous call's `done[rank]` (recorded on XLA's stream after its finish kernel) before it
 // forks, so calls from different XLA streams never overlap on one workspace and the epochs
-// (Flags::epoch) advance by one per call. Across ranks, calls of one workspace must be issued in
-// the same order (they are within one SPMD program; two programs that share a workspace -- any
-// two containing the same op and shapes -- must not run concurrently from two threads: not
-// guarded yet).
+// (Flags::epoch) advance by one per call, in the order the handlers were called (under the
+// device's launch_mu). Across ranks, call number k of every rank is one logical call, so every
+// rank must issue the calls of a workspace in the same order. Within one SPMD program they do;
+// two programs that share a workspace (any two containing the same op and shapes) launched
+// from two threads do as long as XLA queues launches in one order on every device (its
+// multi-device launches are gang-scheduled today), and control flow that differs between
+// devices breaks it. `order` checks it on every call (call_order.h): a call that differs from
+// another rank's call of the same number is given up on every rank and reported: no rank
+// computes a result from another call's data.
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank
@@ -83,21 +89,35 @@ struct Workspace {
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
   bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
   cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
-  uint32_t* abort = nullptr;      // host-mapped abort word (Peers::abort)
+  uint32_t* abort = nullptr;      // host-mapped abort ring (Peers::abort, kAbortSlots words)
   // Calls issued per rank (under seq_mu). Every counted call runs the finish kernel exactly once,
   // so issued[r] + 1 is the epoch target of rank r's next call, the same on every rank.
   std::mutex seq_mu;
   uint32_t issued[kMaxRanks] = {};
+  CallOrder order;                // under seq_mu: the identity of every rank's call k agrees
   uint32_t refuse_at = 0;         // a failure is reported by call number `refuse_at` on each rank
   std::string refuse_msg;
 };
 
-// Starts rank `rank`'s next call of `ws`: returns its number (= its epoch target) and sets
-// `refused` to the report of an earlier failure if this call is the one chosen to raise it.
-// A reported failure is scheduled for call max(issued) + 1 on every workspace, chosen under
-// seq_mu: no rank has issued it yet, so every rank refuses the same call (asynchronous dispatch
-// runs hosts ahead of their GPUs; refusing "the next call" per rank would not be symmetric).
-uint32_t begin_call(Workspace* ws, int rank, std::string* refused);
+static_assert(kMaxRanks <= CallOrder::kRanks, "CallOrder tracks fewer ranks than a group has");
+
+// Starts rank `rank`'s next call of `ws`, the logical call `id`: returns its number (= its epoch
+// target) and sets `refused` to the report of an earlier failure if this call is the one chosen
+// to raise it. A reported failure is scheduled for call max(issued) + 1 on every workspace,
+// chosen under seq_mu: no rank has issued it yet, so every rank refuses the same call
+// (asynchronous dispatch runs hosts ahead of their GPUs; refusing "the next call" per rank would
+// not be symmetric).
+// `*misordered` is set when another rank issued a different logical call under this number
+// (Workspace::order). Then the call's abort word is already raised -- every rank's waits of it
+// give up, the ranks that launched it fill their outputs with NaN -- and the difference is
+// reported like a timeout (pending_error, the next call of every workspace); the caller must
+// launch nothing for it but close it (handler_common.h: begin_call). The rank that issued its
+// call first has launched it by then, but that call cannot have finished: it waits for this
+// rank's data of the same number, which is never sent.
+uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bool* misordered);
+
+// Gives up call number `index` of `ws` on every rank: raises its abort word (Peers::abort).
+void abort_call(Workspace* ws, uint32_t index);
 
 // The workspace of call kind `site` for `ordinals` (allocated on every member on first use).
 // A creation that fails fails the same call on every rank (`rank`: the caller's), never just one.

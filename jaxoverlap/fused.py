@@ -276,15 +276,40 @@ def site_key(table, comm_sms, chunks, kind):
     operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
     one workspace (ffi/runtime.h: fresh jit wrappers, unrolled layers of one op); different ops
     and shapes never do. Two programs that contain the same op and shapes (a train and an eval
-    step) share it too, so they must not run concurrently from two Python threads: their calls
-    could reach the GPUs of the group in different orders (not guarded yet; issue 12 item 6)."""
+    step) share it too. Every rank must then issue their calls in one order: XLA launches
+    programs from several Python threads in one order on every GPU today, and each call is
+    checked (`_call_tag`, ffi/call_order.h): calls paired out of order are given up on every
+    rank (NaN outputs) and reported like a timeout (`check_errors`, or the next fused call
+    raises), never run on each other's data (docs/call-order.md)."""
     text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _table_attrs(table, comm_sms, chunks, timeout_s, kind=()):
+def _call_tag(ctx, site):
+    """Which fused call of its program this is (the ``call_tag`` attribute; with XLA's run id of
+    the launch it names the logical call that ffi/call_order.h compares across ranks): a hash of
+    the module's name and how many calls with the same workspace key were lowered before it in
+    that module. The same on every device (one lowering per program) and in every process (no
+    counter, so compilation caches still hit)."""
+    if ctx is None:
+        return 0
+    module = ctx.module_context
+    try:
+        name = str(module.module.operation.attributes["sym_name"])
+        counts = module.cached_primitive_lowerings.setdefault(("jaxoverlap", "call_tags"), {})
+    except (AttributeError, KeyError):  # another jax's lowering context: run ids alone
+        return 0
+    nth = counts.get(site, 0)
+    counts[site] = nth + 1
+    text = repr((name, int(site), nth))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None):
+    site = site_key(table, comm_sms, chunks, kind)
     return dict(
-        site=site_key(table, comm_sms, chunks, kind),
+        site=site,
+        call_tag=_call_tag(ctx, site),
         ordinals=table.ordinals,
         ranks=table.ranks,
         groups=table.groups.reshape(-1),
@@ -332,7 +357,7 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
         chunks = choose_chunks(m_total, k, n_cols, want) or choose_chunks(m_total, k, n_cols, 1)
         target = AG_GEMM_KEEP_TARGET if keep_gathered else AG_GEMM_TARGET
         kind = (target, *_operands_kind(x_aval, w_aval, params))
-        attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind)
+        attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind, ctx)
         return _ffi_call(target, ctx, x, w, params, attrs)
     entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
     setting = (
@@ -344,7 +369,7 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     comm_sms = config.comm_sms or setting[1]
     runtime.register_targets()
     kind = (GEMM_RS_TARGET, *_operands_kind(x_aval, w_aval, params))
-    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind)
+    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx)
     return _ffi_call(GEMM_RS_TARGET, ctx, x, w, params, attrs)
 
 

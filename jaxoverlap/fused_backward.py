@@ -70,7 +70,7 @@ def lower(ctx, ct, wt, g, params):
     table = fused._group_table(ctx, params["axis_name"])
     runtime.register_targets()
     kind = (TARGET, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
-    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind)
+    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx)
     colmajor = bool(params["w_colmajor"])
     row_major = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731
     layouts = [row_major(ct_aval), (0, 1) if colmajor else (1, 0), row_major(g_aval)]

@@ -88,10 +88,10 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
     kind = (RS_TARGET, tuple(aval.shape), str(aval.dtype))
-    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind)
+    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind, ctx)
     return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
 
 
 tma_reduce_scatter_p.def_abstract_eval(_rs_abstract)
 mlir.register_lowering(tma_reduce_scatter_p, _rs_reference)
-mlir.register_lowering(tma_reduce_scatter_p, _rs_cuda, platform="cuda")
+mlir.register_lowering(tma_reduce_scatter_p, _rs_cuda, platform="cuda", cacheable=False)

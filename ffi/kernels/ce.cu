@@ -33,7 +33,7 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
   if (!wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
                  {op, kWaitSlotFree, dst, -1}) &&
       p.abort) {
-    *(volatile uint32_t*)p.abort = e;  // timed out: give the call up on every rank now
+    *(volatile uint32_t*)abort_word(p.abort, e) = e;  // timed out: give it up on every rank
     __threadfence_system();
   }
 }

@@ -53,12 +53,22 @@ struct Peers {
   int32_t n, rank, device;
   char* stage[kMaxRanks];  // staging area on each rank (n - 1 slots of one block)
   Flags* flags[kMaxRanks];  // flag block on each rank
-  // Host-mapped, one per workspace, polled by every wait: the epoch target of a call that some
-  // rank gave up (a wait timed out, or its host failed after the peers launched), 0 if none.
-  // Every wait of that call then gives up too, so no rank spins on a partner that left.
-  // (One process per GPU will need it in each rank's peer-mapped Flags instead.)
+  // Host-mapped, one ring of kAbortSlots words per workspace, polled by every wait: slot
+  // e % kAbortSlots holds e when the call with epoch target e was given up by some rank (a wait
+  // timed out, its host failed after the peers launched, or it was issued out of order). Every
+  // wait of that call then gives up too, so no rank spins on a partner that left. A ring, not
+  // one word: consecutive calls given up (two programs' calls paired in opposite orders) must
+  // not overwrite each other's abort before the waits saw it. Slot i starts at i ^ 1, a value
+  // no epoch of that slot has. (One process per GPU will need it in each rank's peer-mapped
+  // Flags instead.)
   uint32_t* abort;
 };
+
+constexpr uint32_t kAbortSlots = 64;  // a power of 2
+// The abort word of the call with epoch target `e` (Peers::abort).
+__host__ __device__ inline uint32_t* abort_word(uint32_t* abort, uint32_t e) {
+  return abort + (e & (kAbortSlots - 1));
+}
 
 // Staging slot on rank `dst` that holds the data sent by rank `src`.
 __host__ __device__ inline int stage_slot(int src, int dst, int n) { return (src - dst - 1 + n) % n; }
@@ -107,12 +117,12 @@ struct WaitSite {
 };
 
 // Spins until *p reaches `target` (monotonic epochs) and returns true. Gives up and returns
-// false when the call is aborted (Peers::abort == target epoch `e` of the call, set by another
-// wait or by a host; also checked when the flag was satisfied only by a later call's value) or
-// after `timeout_ns`; a timeout fills the host-mapped error record, prints it and sets the
-// abort word. Either way it marks this rank's Flags::gave_up = e (the join then
-// fills the outputs with NaN). Callers stop issuing work, drain their TMA operations and return:
-// no __trap, so the CUDA context stays usable and the next call works.
+// false when the call is aborted (its abort word, abort_word(Peers::abort, e), holds the call's
+// epoch target `e`, set by another wait or by a host; also checked when the flag was satisfied
+// only by a later call's value) or after `timeout_ns`; a timeout fills the host-mapped error
+// record, prints it and sets the abort word. Either way it marks this rank's Flags::gave_up = e
+// (the join then fills the outputs with NaN). Callers stop issuing work, drain their TMA
+// operations and return: no __trap, so the CUDA context stays usable and the next call works.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
 __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target, bool sys,
@@ -122,7 +132,7 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
   if ((int32_t)(v - target) < 0) {
     Flags* local = peers.flags[peers.rank];
     const uint32_t e = ld_relaxed(&local->epoch, false) + 1u;
-    volatile uint32_t* abort = peers.abort;
+    volatile uint32_t* abort = peers.abort ? abort_word(peers.abort, e) : nullptr;
     const uint64_t t0 = global_ns();
     uint32_t spins = 0;
     while (true) {
@@ -170,7 +180,7 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
     // Its later data must not pass for this call's.
     Flags* local = peers.flags[peers.rank];
     const uint32_t e = ld_relaxed(&local->epoch, false) + 1u;
-    if (*(volatile uint32_t*)peers.abort == e) {
+    if (*(volatile uint32_t*)abort_word(peers.abort, e) == e) {
       local->gave_up = e;
       return false;
     }

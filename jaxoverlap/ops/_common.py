@@ -210,7 +210,8 @@ def register_lowerings(prim, op, reference_fn, keep_gathered=False):
         return reference_lowering(ctx, x, w, **params)
 
     mlir.register_lowering(prim, reference_lowering)
-    mlir.register_lowering(prim, cuda_lowering, platform="cuda")
+    # Not cached: every fused call gets its own `call_tag` (fused._call_tag, ffi/call_order.h).
+    mlir.register_lowering(prim, cuda_lowering, platform="cuda", cacheable=False)
 
 
 # ----------------------------------------------------------------------------- batching

@@ -81,7 +81,8 @@ def _cuda_lowering(ctx, ct, wt, g, **params):
 
 
 mlir.register_lowering(dgrad_rs_wgrad_p, _reference_lowering)
-mlir.register_lowering(dgrad_rs_wgrad_p, _cuda_lowering, platform="cuda")
+# Not cacheable: every call site gets its own call_tag (fused._call_tag).
+mlir.register_lowering(dgrad_rs_wgrad_p, _cuda_lowering, platform="cuda", cacheable=False)
 
 
 def _jvp(primals, tangents, **params):

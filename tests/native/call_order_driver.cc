@@ -1,0 +1,23 @@
+// Test driver of ffi/call_order.h (tests/test_call_order.py): reads "rank run tag" lines, the
+// calls of one workspace in the order the ranks' hosts issue them, and prints for each one
+// "<same> <reported>": 1 if it is the same logical call as the first rank's call of its number,
+// and 1 if this call's line carries the report of a difference.
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include "call_order.h"
+
+int main(int argc, char** argv) {
+  const int n = argc > 1 ? std::atoi(argv[1]) : 2;
+  jaxoverlap::CallOrder order;
+  int rank;
+  long long run, tag;
+  std::string why;
+  while (std::cin >> rank >> run >> tag) {
+    const bool same = order.issue(rank, n, jaxoverlap::CallId{run, tag}, &why);
+    std::cout << (same ? 1 : 0) << ' ' << (why.empty() ? 0 : 1) << '\n';
+    if (!why.empty()) std::cerr << why << '\n';
+  }
+  return 0;
+}
