@@ -63,15 +63,16 @@ def test_workspace_memory_is_bounded_across_fresh_jit_wrappers(gpus):
     assert np.array_equal(np.asarray(y), np.asarray(first))
 
 
-@pytest.mark.parametrize("b_col", [False, True])
+@pytest.mark.parametrize("a_col,b_col", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("offset", [0, 16, 32, 128])
-def test_gemm_runs_off_256_byte_alignment(gpus, offset, b_col):
+def test_gemm_runs_off_256_byte_alignment(gpus, offset, a_col, b_col):
     # XLA guarantees only 16-byte alignment for entry parameters; cuBLASLt's default plans
-    # assume 256. The runner chooses its plan for the pointers' alignment. b_col: B stored
-    # column-major (the backward's w.T, read in place).
+    # assume 256. The runner chooses its plan for the pointers' alignment. a_col/b_col: A or B
+    # stored column-major (the backward's w.T and a weight gradient's x.T, read in place).
     runtime.native()
-    err = runtime.native()._gemm_alignment_check(gpus[0].local_hardware_id, offset, b_col)
-    assert err < 1e-2, f"relative error {err:.3g} at a {offset}-byte offset (b_col={b_col})"
+    ordinal = gpus[0].local_hardware_id
+    err = runtime.native()._gemm_alignment_check(ordinal, offset, b_col, a_col)
+    assert err < 1e-2, f"relative error {err:.3g} at a {offset}-byte offset ({a_col=}, {b_col=})"
 
 
 _BAD_ATTRS_SCRIPT = textwrap.dedent(
