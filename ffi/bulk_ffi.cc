@@ -11,6 +11,9 @@
 //     push P[j's rows] into it and release j's arrival flag (kernels/ce.cu).
 // Cross-GPU ordering is by flags only, as in ag_ffi.cc. `w_colmajor`: w.T[N, K] is stored
 // column-major (it is the transpose of a row-major w[K, N]; XLA passes w as is).
+// jaxoverlap_dgrad_rs_wgrad_acc_v1 takes a fourth operand e[M, K], added to ct @ w.T before the
+// reduce-scatter (C of the dgrad GEMM, beta = 1): the other matmuls' contributions to dx when one
+// gathered x fed several weights (separate Q/K/V), so one reduce-scatter serves them all.
 #include <string>
 #include <vector>
 
@@ -24,14 +27,15 @@ namespace {
 
 constexpr const char* kWhat = "jaxoverlap.all_gather_matmul backward (fused dgrad reduce-scatter)";
 
-ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
-                            ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> scratch,
-                            int64_t site, ffi::Span<const int32_t> ordinals,
-                            ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
-                            int64_t n, int64_t comm_sms, int64_t chunks, double timeout_s,
-                            int64_t stall_rank, int64_t profile, int64_t call_tag,
-                            ffi::RunId run_id, int64_t w_colmajor) {
+// `addend`: null, or e[M, K], added to ct @ w.T.
+ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
+                        ffi::AnyBuffer wt, ffi::AnyBuffer g, const ffi::AnyBuffer* addend,
+                        ffi::AnyBuffer* dx, ffi::AnyBuffer* dw, ffi::AnyBuffer* scratch,
+                        int64_t site, ffi::Span<const int32_t> ordinals,
+                        ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
+                        int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
+                        int64_t profile, int64_t call_tag, ffi::RunId run_id,
+                        int64_t w_colmajor) {
   (void)comm_sms;  // the copy engine needs no SMs
   (void)chunks;    // one block per peer: neither GEMM is split
   uint64_t timeout_ns = 0;
@@ -39,7 +43,8 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
   DType dtype;
   const auto t = ct.element_type();
   if (!to_dtype(t, &dtype) || wt.element_type() != t || g.element_type() != t ||
-      dx->element_type() != t || dw->element_type() != t || scratch->element_type() != t)
+      (addend && addend->element_type() != t) || dx->element_type() != t || dw->element_type() != t ||
+      scratch->element_type() != t)
     return invalid(kWhat, "every operand and result must be bfloat16, or every one float16");
   auto wd = wt.dimensions();
   if (wd.size() != 2 || ct.dimensions().size() < 1 || ct.dimensions().back() != wd[0])
@@ -49,7 +54,8 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
   const int64_t elt = 2;
   if (M < 1 || M % n || (int64_t)g.element_count() != M * K ||
       (int64_t)dx->element_count() != M / n * K || (int64_t)dw->element_count() != K * N ||
-      (int64_t)scratch->element_count() != M * K)
+      (int64_t)scratch->element_count() != M * K ||
+      (addend && (int64_t)addend->element_count() != M * K))
     return invalid(kWhat, "shapes: expected ct[M, N], g[M, K], dx[M / n, K], dW[K, N] and a "
                           "scratch of M x K elements, with M divisible by the group size");
   const int64_t m = M / n;
@@ -94,22 +100,23 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
     const char* ctp = static_cast<const char*>(ct.untyped_data());
     const void* wtp = wt.untyped_data();
     const void* gp = g.untyped_data();
+    const void* ep = addend ? addend->untyped_data() : nullptr;
     char* pp = static_cast<char*>(scratch->untyped_data());
     void* dwp = dw->untyped_data();
     for (const void* p : {(const void*)ctp, wtp, gp, (const void*)pp, (const void*)dwp})
-      if (GemmRunner::alignment(p) < 2)
+      if (GemmRunner::alignment(p) < 2 || (ep && GemmRunner::alignment(ep) < 2))
         return invalid(kWhat, "an operand is not aligned to its 2-byte element");
     if (GemmRunner::alignment(dxp) < 16 || GemmRunner::alignment(pp) < 16)
       return invalid(kWhat, "dx and the scratch must be 16-byte aligned (XLA's buffers are)");
-    const GemmShape dgrad{M, K, N, dtype, false, /*sm_count=*/0, w_colmajor != 0};
+    const GemmShape dgrad{M, K, N, dtype, ep != nullptr, /*sm_count=*/0, w_colmajor != 0};
     GemmShape wgrad{K, N, M, dtype, false, /*sm_count=*/0, /*b_col=*/false};
     wgrad.a_col = true;  // g.T, read in place
     // The dgrad GEMM, then the event the copy stream's pushes wait for.
     auto dgrad_gemm = [&]() -> std::string {
-      if (std::string e = dev->gemm.run(dgrad, ctp, wtp, nullptr, pp, xla_stream); !e.empty())
-        return e;
-      if (cudaError_t e = cudaEventRecord(dev->gemm_done, xla_stream))
-        return std::string("cudaEventRecord: ") + cudaGetErrorString(e);
+      if (std::string err = dev->gemm.run(dgrad, ctp, wtp, ep, pp, xla_stream); !err.empty())
+        return err;
+      if (cudaError_t err = cudaEventRecord(dev->gemm_done, xla_stream))
+        return std::string("cudaEventRecord: ") + cudaGetErrorString(err);
       return "";
     };
     auto wgrad_gemm = [&]() { return dev->gemm.run(wgrad, gp, ctp, nullptr, dwp, xla_stream); };
@@ -153,8 +160,49 @@ ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuf
   return result;
 }
 
+#define JAXOVERLAP_BULK_ATTRS                                                                  \
+  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
+      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
+      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag, ffi::RunId run_id, \
+      int64_t w_colmajor
+#define JAXOVERLAP_BULK_ARGS                                                                  \
+  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
+      run_id, w_colmajor
+
+ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
+                            ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> scratch,
+                            JAXOVERLAP_BULK_ATTRS) {
+  return DgradRsWgrad(xla_stream, device, ct, wt, g, nullptr, &*dx, &*dw, &*scratch,
+                      JAXOVERLAP_BULK_ARGS);
+}
+
+ffi::Error DgradRsWgradAccImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
+                               ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::AnyBuffer e,
+                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
+                               ffi::Result<ffi::AnyBuffer> scratch, JAXOVERLAP_BULK_ATTRS) {
+  return DgradRsWgrad(xla_stream, device, ct, wt, g, &e, &*dx, &*dw, &*scratch,
+                      JAXOVERLAP_BULK_ARGS);
+}
+#undef JAXOVERLAP_BULK_ATTRS
+#undef JAXOVERLAP_BULK_ARGS
+
 }  // namespace
 }  // namespace jaxoverlap
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1, jaxoverlap::DgradRsWgradAccImpl,
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()   // ct [M, ..., N]
+                                      .Arg<xla::ffi::AnyBuffer>()   // w.T [N, K]
+                                      .Arg<xla::ffi::AnyBuffer>()   // g [M, ..., K]
+                                      .Arg<xla::ffi::AnyBuffer>()   // e [M, ..., K]
+                                      .Ret<xla::ffi::AnyBuffer>()   // dx [M / n, ..., K]
+                                      .Ret<xla::ffi::AnyBuffer>()   // dW [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>())  // scratch [M, K]
+                                  .Attr<int64_t>("w_colmajor"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1, jaxoverlap::DgradRsWgradImpl,
                               jaxoverlap::bind_common_attrs(

@@ -23,6 +23,7 @@ from jax._src import core
 from jaxoverlap import fused, runtime, topology
 
 TARGET = "jaxoverlap_dgrad_rs_wgrad_v1"
+ACC_TARGET = "jaxoverlap_dgrad_rs_wgrad_acc_v1"  # with e[M, K] added to ct @ w.T
 
 # backend="auto" where untuned (not measured yet: a bandwidth model). The push of (n - 1) blocks
 # of m x K (copy engine, ~390 GB/s) must fit under the wgrad GEMM (2 M K N flops, ~650 TFLOP/s):
@@ -63,22 +64,24 @@ def unsupported_reason(ct, wt, params, axis_size):
     return None
 
 
-def lower(ctx, ct, wt, g, params):
+def lower(ctx, ct, wt, g, *e, params):
     """The custom call; returns [dx, dW] (its third result, a scratch for ct @ w.T, is XLA's
-    buffer: no memory held between calls)."""
-    ct_aval, wt_aval, g_aval = ctx.avals_in
+    buffer: no memory held between calls). ``e``: the optional addend of ct @ w.T."""
+    ct_aval, wt_aval, g_aval = ctx.avals_in[:3]
     table = fused._group_table(ctx, params["axis_name"])
     runtime.register_targets()
-    kind = (TARGET, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
+    target = ACC_TARGET if e else TARGET
+    kind = (target, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
     attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx)
     colmajor = bool(params["w_colmajor"])
     row_major = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731
     layouts = [row_major(ct_aval), (0, 1) if colmajor else (1, 0), row_major(g_aval)]
+    layouts += [row_major(a) for a in ctx.avals_in[3:]]
     rows = math.prod(ct_aval.shape[:-1])
     scratch = core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype)
-    call = jax.ffi.ffi_lowering(TARGET, operand_layouts=layouts)
+    call = jax.ffi.ffi_lowering(target, operand_layouts=layouts)
     inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
     results = call(
-        inner, ct, wt, g, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs
+        inner, ct, wt, g, *e, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs
     )
     return list(results)[:2]

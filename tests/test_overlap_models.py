@@ -190,8 +190,8 @@ def test_separate_qkv_and_swiglu_share_one_gather():
     assert prims(jax.make_jaxpr(new)(*args))["all_gather_matmul"] == 2
     notes = [c.note for c in explain(f, *args) if c.op == "all_gather_matmul"]
     assert notes == [
-        "3 matmuls of one gathered value: one op, weights concatenated along N",
-        "2 matmuls of one gathered value: one op, weights concatenated along N",
+        "3 matmuls of one gathered value: one op for all the weights (not concatenated)",
+        "2 matmuls of one gathered value: one op for all the weights (not concatenated)",
     ]
 
 

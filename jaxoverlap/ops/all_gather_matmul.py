@@ -26,7 +26,10 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
 
     Args:
       x: ``[..., K]`` local shard of the activations (rank >= 2).
-      w: ``[K, N]`` local weight shard; same dtype as ``x``.
+      w: ``[K, N]`` local weight shard; same dtype as ``x``. Or a list/tuple of such weights
+        ``[K, N_i]`` (separate Q/K/V projections, SwiGLU's gate and up): x is gathered once and
+        multiplied by each, without concatenating the weights (the gather hides behind the
+        widest one's GEMM; in training, one reduce-scatter for dx, beside that weight's dW GEMM).
       axis_name: the mesh axis (or tuple of axes) to gather over.
       gather_dimension: which dimension of ``x`` is gathered. Default 0. The last dimension
         (K, which the matmul contracts) is valid too: x is then sharded over K, holds
@@ -35,8 +38,11 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
 
     Returns:
       ``[..., N]`` in ``x.dtype``: the group's ``x`` blocks concatenated along
-      ``gather_dimension`` (in rank order), times ``w``.
+      ``gather_dimension`` (in rank order), times ``w``. A tuple of such results, one per
+      weight, when ``w`` is a list/tuple.
     """
+    if isinstance(w, (list, tuple)):
+        return _several(x, tuple(w), axis_name, gather_dimension, config)
     names = _common.axis_tuple(OP, axis_name)
     config = _common.resolve_config(OP, config)
     xs = jnp.shape(x)
@@ -52,6 +58,35 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, config=None):
     _common.check_fused_possible(OP, x, w, params, n)
     x, w = _common.vary_operands(x, w, names)
     return all_gather_matmul_p.bind(x, w, **params)
+
+
+def _several(x, ws, axis_name, gather_dimension, config):
+    """``all_gather_matmul(x, [w0, w1, ...])``: the variant that returns the gathered x, with the
+    widest weight, then plain matmuls of the gathered x for the others (its autodiff: one
+    reduce-scatter of dx for all, `_keep_jvp`)."""
+    if not ws:
+        raise ValueError(f"jaxoverlap.{OP}: w is an empty list; pass at least one weight.")
+    names = _common.axis_tuple(OP, axis_name)
+    config = _common.resolve_config(OP, config)
+    xs = jnp.shape(x)
+    if len(xs) < 2:
+        raise ValueError(f"jaxoverlap.{OP}: x must have rank >= 2 ([rows, K]); got shape {xs}.")
+    d = _common.normalize_dim(OP, "gather_dimension", gather_dimension, len(xs), range(len(xs)), xs)
+    n = _common.group_size(OP, names)
+    for w in ws:
+        _common.check_operands(OP, x, w, k_shards=n if d == len(xs) - 1 else 1)
+    params = dict(axis_name=names, gather_dimension=d, config=config, w_colmajor=False)
+    lead = max(range(len(ws)), key=lambda i: jnp.shape(ws[i])[1])
+    _common.check_fused_possible(OP, x, ws[lead], params, n)
+    if config.backend == "xla":
+        gathered = lax.all_gather(x, names, axis=d, tiled=True)
+        return tuple(jnp.matmul(gathered, w) for w in ws)
+    ws = list(ws)
+    for i in range(len(ws)):
+        x_i, ws[i] = _common.vary_operands(x, ws[i], names)
+    x = x_i
+    out, gathered = all_gather_matmul_keep_p.bind(x, ws[lead], **params)
+    return tuple(out if i == lead else jnp.matmul(gathered, w) for i, w in enumerate(ws))
 
 
 # ----------------------------------------------------------------------------- primitive
@@ -131,85 +166,31 @@ def _jvp(primals, tangents, **params):
             return out, ad.Zero.from_primal_value(out)
         return out, all_gather_matmul_p.bind(dx, w, **params)
     out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
-    return out, _tangent(gathered, w, dx, dw, params)
-
-
-def _tangent(gathered, w, dx, dw, params):
-    """``all_gather(dx) @ w + all_gather(x) @ dw`` given the gathered x (dw is not zero)."""
     if type(dx) is ad.Zero:
-        return jnp.matmul(gathered, dw)
-    return all_gather_matmul_tangent_p.bind(dx, dw, gathered, w, **params)
-
-
-# The op's tangent with tangents on both x and w, ``all_gather(dx) @ w + g @ dw`` (g: the gathered
-# x), as a linear primitive of (dx, dw): its transpose is one op computing dx's reduce-scatter and
-# dW's GEMM together, so the collective hides behind dW's GEMM. Internal.
-all_gather_matmul_tangent_p = core.Primitive(OP + "_tangent")
-
-
-def _tangent_reference(dx, dw, g, w, *, axis_name, gather_dimension, **params):
-    del params
-    return reference.all_gather_matmul(dx, w, axis_name, gather_dimension=gather_dimension) + (
-        jnp.matmul(g, dw)
-    )
-
-
-all_gather_matmul_tangent_p.def_abstract_eval(
-    lambda dx, dw, g, w, **params: _abstract_eval(dx, w, **params)
-)
-mlir.register_lowering(
-    all_gather_matmul_tangent_p, mlir.lower_fun(_tangent_reference, multiple_results=False)
-)
-
-
-def _tangent_transpose(ct, dx, dw, g, w, *, gather_dimension, **params):
-    """(dx, dW) = (psum_scatter(ct @ w.T), g.T @ ct): one op where it scatters rows, which runs
-    the reduce-scatter beside dW's GEMM on GPUs (`jaxoverlap.ops.dgrad_rs_wgrad`); else the
-    sibling matmul_reduce_scatter and a plain GEMM."""
-    undefined = [ad.is_undefined_primal(v) for v in (dx, dw)]
-    if type(ct) is ad.Zero:
-        return [ad.Zero(v.aval) if u else None for v, u in zip((dx, dw), undefined)] + [None, None]
-    wt, params = _common.transposed_w(w, params)
-    if gather_dimension < ct.ndim - 1:
-        from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
-
-        params = {**params, "scatter_dimension": gather_dimension}
-        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, **params)
-    else:
-        from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
-
-        dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
-        dw_ct = _common.contract_leading(g, ct)
-    return [dx_ct if undefined[0] else None, dw_ct if undefined[1] else None, None, None]
-
-
-def _tangent_jvp(primals, tangents, **params):
-    """Higher-order autodiff through the tangent primitive: JAX's rules for its reference."""
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(partial(_tangent_reference, **params), tuple(primals), tangents)
-
-
-def _tangent_batch(args, dims, **params):
-    return jax.vmap(partial(_tangent_reference, **params), in_axes=dims)(*args), 0
+        return out, jnp.matmul(gathered, dw)
+    bind = all_gather_matmul_tangent_p.bind
+    (out_dot,) = bind(dx, dw, gathered, w, with_gathered=False, **params)
+    return out, out_dot
 
 
 def _keep_jvp(primals, tangents, **params):
-    """Higher-order autodiff through the variant: the op's tangent, and the gathered tangent."""
+    """The variant's tangents: the op's, and the gathered dx -- with tangents on both x and w,
+    one `all_gather_matmul_tangent_p` for both, so that the cotangents of the product and of the
+    gathered x (when it fed other matmuls: several weights, `all_gather_matmul(x, [w0, w1])`)
+    reach ONE reduce-scatter, beside dW's GEMM."""
     x, w = primals
     dx, dw = tangents
     out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
-    if type(dw) is ad.Zero:
-        out_dot = (
-            ad.Zero.from_primal_value(out)
-            if type(dx) is ad.Zero
-            else all_gather_matmul_p.bind(dx, w, **params)
-        )
-    else:
-        out_dot = _tangent(gathered, w, dx, dw, params)
-    if type(dx) is ad.Zero:
+    zx, zw = type(dx) is ad.Zero, type(dw) is ad.Zero
+    if not zx and not zw:
+        dots = all_gather_matmul_tangent_p.bind(dx, dw, gathered, w, with_gathered=True, **params)
+        return (out, gathered), tuple(dots)
+    if zx:
         g_dot = ad.Zero.from_primal_value(gathered)
-    else:
+        out_dot = ad.Zero.from_primal_value(out) if zw else jnp.matmul(gathered, dw)
+    else:  # frozen w: the op for the product's tangent
         g_dot = lax.all_gather(dx, params["axis_name"], axis=params["gather_dimension"], tiled=True)
+        out_dot = all_gather_matmul_p.bind(dx, w, **params)
     return (out, gathered), (out_dot, g_dot)
 
 
@@ -222,6 +203,72 @@ def _keep_batch(args, dims, **params):
         return out, lax.all_gather(x, params["axis_name"], axis=axis, tiled=True)
 
     return jax.vmap(both, in_axes=dims)(*args), (0, 0)
+
+
+# The tangent with tangents on both x and w, ``all_gather(dx) @ w + g @ dw`` (g: the gathered x)
+# -- and, ``with_gathered``, ``all_gather(dx)`` itself -- as a linear primitive of (dx, dw): its
+# transpose is one op computing dx's reduce-scatter and dW's GEMM together, so the collective
+# hides behind dW's GEMM. Internal.
+all_gather_matmul_tangent_p = core.Primitive(OP + "_tangent")
+all_gather_matmul_tangent_p.multiple_results = True
+
+
+def _tangent_reference(dx, dw, g, w, *, axis_name, gather_dimension, with_gathered, **params):
+    del params
+    g_dot = lax.all_gather(dx, axis_name, axis=gather_dimension, tiled=True)
+    out_dot = jnp.matmul(g_dot, w) + jnp.matmul(g, dw)
+    return (out_dot, g_dot) if with_gathered else (out_dot,)
+
+
+def _tangent_abstract_eval(dx, dw, g, w, *, with_gathered, **params):
+    out = _abstract_eval(dx, w, **params)
+    return (out, g.update(manual_axis_type=out.mat)) if with_gathered else (out,)
+
+
+all_gather_matmul_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+mlir.register_lowering(
+    all_gather_matmul_tangent_p, mlir.lower_fun(_tangent_reference, multiple_results=True)
+)
+
+
+def _tangent_transpose(cts, dx, dw, g, w, *, gather_dimension, with_gathered, **params):
+    """(dx, dW) = (psum_scatter(ct @ w.T + ct_g), g.T @ ct): one op where it scatters rows, which
+    runs the reduce-scatter beside dW's GEMM on GPUs (`jaxoverlap.ops.dgrad_rs_wgrad`); else the
+    sibling matmul_reduce_scatter and a plain GEMM. ct_g: the gathered dx's cotangent."""
+    ct, ct_g = cts[0], cts[1] if with_gathered else ad.Zero(g.aval)
+    undefined = [ad.is_undefined_primal(v) for v in (dx, dw)]
+    zero = [ad.Zero(v.aval) if u else None for v, u in zip((dx, dw), undefined, strict=True)]
+    axis = params["axis_name"]
+    scatter = partial(lax.psum_scatter, axis_name=axis, scatter_dimension=gather_dimension)
+    extra = [] if type(ct_g) is ad.Zero else [ad.instantiate_zeros(ct_g)]
+    if type(ct) is ad.Zero:
+        dx_ct = scatter(extra[0], tiled=True) if extra else zero[0]
+        return [dx_ct if undefined[0] else None, zero[1], None, None]
+    wt, params = _common.transposed_w(w, params)
+    if gather_dimension < ct.ndim - 1:
+        from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
+
+        params = {**params, "scatter_dimension": gather_dimension}
+        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, *extra, **params)
+    else:
+        from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
+
+        dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
+        if extra:
+            dx_ct = dx_ct + scatter(extra[0], tiled=True)
+        dw_ct = _common.contract_leading(g, ct)
+    return [dx_ct if undefined[0] else None, dw_ct if undefined[1] else None, None, None]
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Higher-order autodiff through the tangent primitive: JAX's rules for its reference."""
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(partial(_tangent_reference, **params), tuple(primals), tangents)
+
+
+def _tangent_batch(args, dims, **params):
+    out = jax.vmap(partial(_tangent_reference, **params), in_axes=tuple(dims))(*args)
+    return out, (0,) * len(out)
 
 
 ad.defbilinear(all_gather_matmul_p, _transpose_x, _transpose_w)

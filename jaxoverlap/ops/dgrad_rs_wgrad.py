@@ -1,9 +1,10 @@
 """The backward of a trained column-parallel layer as one op (internal: autodiff binds it).
 
 For ``y = all_gather(x) @ w`` with a cotangent ``ct`` on y and the gathered x ``g`` kept from the
-forward: ``dx = psum_scatter(ct @ w.T)`` and ``dW = g.T @ ct``, as ``(dx, dW)``. On GPUs the
-reduce-scatter runs beside the weight-gradient GEMM (`jaxoverlap.fused_backward`); elsewhere, and
-where that cannot run, it is exactly what JAX's own autodiff computes.
+forward: ``dx = psum_scatter(ct @ w.T [+ e])`` and ``dW = g.T @ ct``, as ``(dx, dW)``; ``e`` (an
+optional fourth operand) is the rest of the gathered x's cotangent when it fed other matmuls too.
+On GPUs the reduce-scatter runs beside the weight-gradient GEMM (`jaxoverlap.fused_backward`);
+elsewhere, and where that cannot run, it is exactly what JAX's own autodiff computes.
 """
 
 from __future__ import annotations
@@ -27,19 +28,20 @@ dgrad_rs_wgrad_p = core.Primitive("all_gather_matmul_backward")
 dgrad_rs_wgrad_p.multiple_results = True
 
 
-def _reference(ct, wt, g, *, axis_name, scatter_dimension, **params):
+def _reference(ct, wt, g, *e, axis_name, scatter_dimension, **params):
     del params
-    dx = lax.psum_scatter(
-        jnp.matmul(ct, wt), axis_name, scatter_dimension=scatter_dimension, tiled=True
-    )
+    full = jnp.matmul(ct, wt)
+    if e:
+        full = full + e[0]
+    dx = lax.psum_scatter(full, axis_name, scatter_dimension=scatter_dimension, tiled=True)
     return dx, _common.contract_leading(g, ct)
 
 
-def _abstract_eval(ct, wt, g, *, axis_name, scatter_dimension, **params):
+def _abstract_eval(ct, wt, g, *e, axis_name, scatter_dimension, **params):
     del params
     shape = [*ct.shape[:-1], wt.shape[1]]
     shape[scatter_dimension] //= _common.axis_size(axis_name)
-    mat = ct.mat.update(varying=core.standard_vma_rule(OP, ct, wt, g))
+    mat = ct.mat.update(varying=core.standard_vma_rule(OP, ct, wt, g, *e))
     dx = ct.update(shape=tuple(shape), manual_axis_type=mat)
     dw = ct.update(shape=(wt.shape[1], wt.shape[0]), manual_axis_type=mat)
     return dx, dw
@@ -48,16 +50,16 @@ def _abstract_eval(ct, wt, g, *, axis_name, scatter_dimension, **params):
 dgrad_rs_wgrad_p.def_abstract_eval(_abstract_eval)
 
 
-def _reference_lowering(ctx, ct, wt, g, **params):
+def _reference_lowering(ctx, ct, wt, g, *e, **params):
     if params["config"].backend == "fused" and "cuda" not in ctx.module_context.platforms:
         raise ValueError(
             f"jaxoverlap.{OP}: backend='fused' cannot run here: the fused kernel runs on CUDA "
             f"GPUs, and this computation is compiled for {', '.join(ctx.module_context.platforms)}."
         )
-    return mlir.lower_fun(partial(_reference, **params), multiple_results=True)(ctx, ct, wt, g)
+    return mlir.lower_fun(partial(_reference, **params), multiple_results=True)(ctx, ct, wt, g, *e)
 
 
-def _cuda_lowering(ctx, ct, wt, g, **params):
+def _cuda_lowering(ctx, ct, wt, g, *e, **params):
     config = params["config"]
     if config.backend != "xla":
         mesh = getattr(ctx.module_context.axis_context, "mesh", None)
@@ -67,17 +69,17 @@ def _cuda_lowering(ctx, ct, wt, g, **params):
             n = 1
             for a in params["axis_name"]:
                 n *= mesh.shape[a]
-            ct_aval, wt_aval, _ = ctx.avals_in
+            ct_aval, wt_aval = ctx.avals_in[:2]
             reason = fused_backward.unsupported_reason(ct_aval, wt_aval, params, n)
         if reason is None:
             try:
-                return fused_backward.lower(ctx, ct, wt, g, params)
+                return fused_backward.lower(ctx, ct, wt, g, *e, params=params)
             except fused.FusedUnavailable as e:
                 reason = str(e)
         if config.backend == "fused":
             raise ValueError(f"jaxoverlap.{OP}: backend='fused' cannot run here: {reason}")
         _common._log_fallback_once(OP, reason)
-    return _reference_lowering(ctx, ct, wt, g, **params)
+    return _reference_lowering(ctx, ct, wt, g, *e, **params)
 
 
 mlir.register_lowering(dgrad_rs_wgrad_p, _reference_lowering)
@@ -92,7 +94,7 @@ def _jvp(primals, tangents, **params):
 
 
 def _batch(args, dims, **params):
-    return jax.vmap(partial(_reference, **params), in_axes=dims)(*args), (0, 0)
+    return jax.vmap(partial(_reference, **params), in_axes=tuple(dims))(*args), (0, 0)
 
 
 ad.primitive_jvps[dgrad_rs_wgrad_p] = _jvp

@@ -1,10 +1,9 @@
 """``all_gather -> matmul(s)`` candidates, and the near misses of Megatron-style f/g operators.
 
 One gathered activation often feeds several matmuls (separate Wq/Wk/Wv; SwiGLU's gate and up
-projections). They become ONE ``all_gather_matmul`` whose weight is the matmuls' weights
-concatenated along N (each viewed as ``[K, N_i]``); its result is split back. That gathers x
-once, as the original does, and its backward is one ``matmul_reduce_scatter`` for dx instead of
-one per matmul. The weights are concatenated on every call (a local copy of the weights).
+projections). They become ONE ``all_gather_matmul(x, [w_0, w_1, ...])`` (each weight viewed as
+``[K, N_i]``): it gathers x once, as the original does, without concatenating the weights, and
+its backward is one reduce-scatter for dx, as the original's.
 
 A cast or a reshape between the gather and the matmul moves before the gather: a cast is
 elementwise; a reshape keeps each rank's block where `views.map_dim` says so. A gather along a
@@ -13,8 +12,6 @@ gather_dimension=x.ndim - 1)``.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -137,23 +134,17 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     if any(c is not None for c in casts):
         notes.append(ROUNDED)
     if len(as_x) > 1:
-        notes.append(f"{len(as_x)} matmuls of one gathered value: one op, weights concatenated "
-                     "along N")  # fmt: skip
-    widths = [math.prod(view.n_shape) for view in vs]
+        notes.append(f"{len(as_x)} matmuls of one gathered value: one op for all the weights "
+                     "(not concatenated)")  # fmt: skip
     gd = d
 
     def build(op_fn, x, *ws):
         for step in steps:
             x = step(x)
         w2 = [view.w2(w) for view, w in zip(vs, ws, strict=True)]
-        y = op_fn(vs[0].x2(x), w2[0] if len(w2) == 1 else lax.concatenate(w2, 1),
-                  axis_name=axes, gather_dimension=gd)  # fmt: skip
-        outs, start = [], 0
-        for view, width in zip(vs, widths, strict=True):
-            part = y if len(vs) == 1 else lax.slice_in_dim(y, start, start + width, axis=-1)
-            outs.append(view.out(part))
-            start += width
-        return outs
+        ys = op_fn(vs[0].x2(x), w2[0] if len(w2) == 1 else w2, axis_name=axes, gather_dimension=gd)
+        ys = [ys] if len(w2) == 1 else ys
+        return [view.out(y) for view, y in zip(vs, ys, strict=True)]
 
     m.build, m.note = build, "; ".join(notes)
     return m

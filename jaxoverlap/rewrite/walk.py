@@ -205,10 +205,11 @@ def _gpu_path(op: str, tiny: core.Jaxpr, config) -> str:
     decides at trace time; lowering can still fall back, e.g. for GPUs that are not peers)."""
     from jaxoverlap import fused
 
-    eqn = next(e for e in tiny.eqns if e.primitive.name == op)
-    params = eqn.params
-    if params["config"].backend == "xla":
+    # several weights of one gathered x: the all_gather_matmul variant that returns x
+    eqn = next((e for e in tiny.eqns if e.primitive.name in (op, op + "_keep")), None)
+    if eqn is None or eqn.params["config"].backend == "xla":  # (several weights: plain ops)
         return "reference: backend='xla'"
+    params = eqn.params
     n = math.prod(core.get_axis_env().axis_size(a) for a in params["axis_name"])
     x, w = (v.aval for v in eqn.invars)
     reason = fused.unsupported_reason(op, x, w, params, n)
