@@ -154,7 +154,8 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
         const int s = (rank - t + (int)n) % (int)n;
         const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
         for (int k = 0; k < chunks; ++k) {
-          if (communicate) CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, dev->copy));
+          if (communicate)
+            CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, dev->copy));
           CK(cudaMemcpyAsync(gp + s * block_bytes + k * chunk_bytes, slot + k * chunk_bytes,
                              chunk_bytes, cudaMemcpyDefault, dev->copy));
         }
@@ -169,7 +170,8 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       const int s = (rank - t + (int)n) % (int)n;
       const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
       for (int k = 0; k < chunks; ++k) {
-        if (communicate) CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, xla_stream));
+        if (communicate)
+          CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, xla_stream));
         if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
           return internal(kWhat, e);
       }

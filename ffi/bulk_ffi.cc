@@ -43,8 +43,8 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   DType dtype;
   const auto t = ct.element_type();
   if (!to_dtype(t, &dtype) || wt.element_type() != t || g.element_type() != t ||
-      (addend && addend->element_type() != t) || dx->element_type() != t || dw->element_type() != t ||
-      scratch->element_type() != t)
+      (addend && addend->element_type() != t) || dx->element_type() != t ||
+      dw->element_type() != t || scratch->element_type() != t)
     return invalid(kWhat, "every operand and result must be bfloat16, or every one float16");
   auto wd = wt.dimensions();
   if (wd.size() != 2 || ct.dimensions().size() < 1 || ct.dimensions().back() != wd[0])
@@ -138,9 +138,14 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
     CK(cudaStreamWaitEvent(xla_stream, ws->done[rank]));
     if (std::string e = dgrad_gemm(); !e.empty()) return internal(kWhat, e);
     CK(cudaStreamWaitEvent(dev->copy, dev->gemm_done));
+    // Every slot-free wait first: behind a wgrad GEMM that fills the device, each one-thread
+    // kernel of the copy stream may wait for a GEMM block to retire before it runs, so the
+    // pushes get as few of them as possible between them (n > 2).
+    for (int s = 1; communicate && s < n; ++s)
+      CK(launch_ce_wait_slot_free(peers, (rank + s) % (int)n, kOpDgradRs, timeout_ns, err,
+                                  dev->copy));
     for (int s = 1; communicate && s < n; ++s) {
       const int j = (rank + s) % (int)n;
-      CK(launch_ce_wait_slot_free(peers, j, kOpDgradRs, timeout_ns, err, dev->copy));
       char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
       CK(cudaMemcpyAsync(dst, pp + j * block_bytes, block_bytes, cudaMemcpyDefault, dev->copy));
       CK(launch_ce_signal_arrival(peers, j, 0, (int)stall_rank, dev->copy));
@@ -150,7 +155,7 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
       CK(launch_ce_wait_arrival(peers, (rank - s + (int)n) % (int)n, 0, kOpDgradRs, timeout_ns,
                                 err, xla_stream));
     CK(launch_sum_blocks(dxp, pp + rank * block_bytes, peers.stage[rank], (int)n - 1, m * K,
-                         m * K, dtype, xla_stream));
+                         m * K, dtype, dev->total_sms, xla_stream));
     if (communicate) CK(launch_release_slots(peers, xla_stream));
     return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
   }();

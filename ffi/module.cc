@@ -40,23 +40,22 @@ float from_bf16(uint16_t h) {
   return f;
 }
 
-// Test-only: D = A.B (bf16, 256^3) through the handlers' GEMM runner with every operand pointer
-// `offset` bytes past a 256-byte boundary (XLA guarantees only 16 for entry parameters), A and B
+// Test-only: D[m, n] = A[m, k] . B[k, n] (bf16; m, n, k = 128, 384, 256: all distinct, so a
+// swapped dimension or leading dimension fails) through the handlers' GEMM runner with every
+// operand pointer `offset` bytes past a 256-byte boundary (XLA guarantees only 16 for entry parameters), A and B
 // row-major or (`a_col`, `b_col`) column-major. Returns the max error relative to max
 // |reference| (a host f64 reference); raises on a runner error.
 double gemm_alignment_check(int ordinal, int offset, bool b_col, bool a_col) {
   using namespace jaxoverlap;
-  constexpr int64_t n = 256;
+  constexpr int64_t m = 128, n = 384, k = 256;
   DeviceGuard guard;
   DeviceRuntime* dev = nullptr;
   if (cudaSetDevice(ordinal)) throw std::runtime_error("cudaSetDevice failed");
   if (std::string e = device_runtime(ordinal, &dev); !e.empty()) throw std::runtime_error(e);
-  std::vector<uint16_t> a(n * n), b(n * n), d(n * n);
-  for (int64_t i = 0; i < n * n; ++i) {
-    a[i] = to_bf16((float)((i * 37 % 101) - 50) / 50.0f);
-    b[i] = to_bf16((float)((i * 53 % 97) - 48) / 48.0f);
-  }
-  const size_t bytes = n * n * 2 + 512;
+  std::vector<uint16_t> a(m * k), b(k * n), d(m * n);
+  for (int64_t i = 0; i < m * k; ++i) a[i] = to_bf16((float)((i * 37 % 101) - 50) / 50.0f);
+  for (int64_t i = 0; i < k * n; ++i) b[i] = to_bf16((float)((i * 53 % 97) - 48) / 48.0f);
+  const size_t bytes = k * n * 2 + 512;  // the largest operand
   char *pa = nullptr, *pb = nullptr, *pd = nullptr;
   // One stream per device for the life of the process: the runner keeps a cuBLASLt workspace
   // per stream.
@@ -73,26 +72,28 @@ double gemm_alignment_check(int ordinal, int offset, bool b_col, bool a_col) {
   if (!s || cudaMalloc(&pa, bytes) || cudaMalloc(&pb, bytes) || cudaMalloc(&pd, bytes))
     err = "allocation failed";
   if (err.empty()) {
-    cudaMemcpy(pa + offset, a.data(), n * n * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(pb + offset, b.data(), n * n * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(pa + offset, a.data(), m * k * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(pb + offset, b.data(), k * n * 2, cudaMemcpyHostToDevice);
     std::lock_guard<std::mutex> hold(dev->launch_mu);
-    err = dev->gemm.run(GemmShape{n, n, n, DType::kBF16, false, 0, b_col, a_col}, pa + offset,
+    err = dev->gemm.run(GemmShape{m, n, k, DType::kBF16, false, 0, b_col, a_col}, pa + offset,
                         pb + offset, nullptr, pd + offset, s);
   }
   if (err.empty()) {
     if (cudaError_t e = cudaStreamSynchronize(s)) err = cudaGetErrorString(e);
-    else cudaMemcpy(d.data(), pd + offset, n * n * 2, cudaMemcpyDeviceToHost);
+    else cudaMemcpy(d.data(), pd + offset, m * n * 2, cudaMemcpyDeviceToHost);
   }
   for (void* p : {(void*)pa, (void*)pb, (void*)pd})
     if (p) cudaFree(p);
   if (!err.empty()) throw std::runtime_error(err);
   double max_err = 0, scale = 1e-30;
-  for (int64_t i = 0; i < n; ++i)
+  // Column-major A[m, k]: element (i, l) at a[l * m + i]; column-major B[k, n]: (l, j) at
+  // b[j * k + l].
+  for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       double ref = 0;
-      for (int64_t k = 0; k < n; ++k)
-        ref += (double)from_bf16(a[a_col ? k * n + i : i * n + k]) *
-               from_bf16(b[b_col ? j * n + k : k * n + j]);
+      for (int64_t l = 0; l < k; ++l)
+        ref += (double)from_bf16(a[a_col ? l * m + i : i * k + l]) *
+               from_bf16(b[b_col ? j * k + l : l * n + j]);
       max_err = std::max(max_err, std::abs(ref - from_bf16(d[i * n + j])));
       scale = std::max(scale, std::abs(ref));
     }

@@ -93,10 +93,11 @@ __global__ void sum_blocks_kernel(T* out, const T* own, const T* blocks, int cou
 }  // namespace
 
 cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,
-                              int64_t stride, int64_t elems, DType dtype, cudaStream_t stream) {
+                              int64_t stride, int64_t elems, DType dtype, int sms,
+                              cudaStream_t stream) {
   const int threads = 256;
   const int64_t vecs = std::max<int64_t>(1, elems / 8);
-  const int grid = (int)std::min<int64_t>((vecs + threads - 1) / threads, 132 * 8);
+  const int grid = (int)std::min<int64_t>((vecs + threads - 1) / threads, std::max(sms, 1) * 8);
   if (dtype == DType::kBF16)
     sum_blocks_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
         static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(own),

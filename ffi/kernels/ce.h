@@ -30,6 +30,7 @@ cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int o
 // out[i] = own[i] + sum over `count` blocks b of blocks[b * stride + i], i < elems, in f32, for
 // bf16 or f16 data. Every pointer and `stride` 16-byte aligned (elems: any).
 cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,
-                              int64_t stride, int64_t elems, DType dtype, cudaStream_t stream);
+                              int64_t stride, int64_t elems, DType dtype, int sms,
+                              cudaStream_t stream);
 
 }  // namespace jaxoverlap
