@@ -3,11 +3,33 @@ its own (all_gather_matmul.py, matmul_all_reduce.py): their fused methods, timin
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 
 import _common as C
 
 NOISY = 0.05  # xla vs xla_again beyond this: the row is flagged for a repeat
+
+
+def parse_args(argv, doc, script, shapes, smoke_shapes, shapes_help, comm_sms=False):
+    """The options of an interleaved-row script (``comm_sms``: it also takes --comm-sms);
+    ``args.shapes`` is the list of shape tuples to run."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(p, script)
+    p.add_argument("--shapes", help=shapes_help)
+    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
+    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
+    if comm_sms:
+        p.add_argument(
+            "--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)"
+        )
+    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
+    if a.shapes:
+        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
+    else:
+        a.shapes = smoke_shapes if a.cpu_smoke else shapes
+    return a
 
 
 def jaxoverlap_fns(mesh, args, op, in_specs, out_spec, knobs, **op_kwargs):
@@ -128,3 +150,37 @@ def interleaved_report(rows, title, label_head, label, methods, stand_in):
     if notes:
         text += "\nnotes:\n" + "\n".join(dict.fromkeys(notes))
     return text, g
+
+
+def main(args, script, make_jo, measure, methods, shape_keys, label_head, title, plot_methods,
+         **fields):  # fmt: skip
+    """A script's run: ``make_jo(mesh)`` (its `jaxoverlap_fns`), then ``measure(jax, mesh, tp,
+    shape, args, jo, seed)`` per shape (a row with the ``shape_keys`` and ``methods`` in "ms"),
+    the table (``title`` with {tp} filled in, rows labelled ``label_head``), plot (bars of
+    ``plot_methods``), JSON; ``fields`` go into the JSON (``tolerance`` and the fused config).
+    Returns the exit status."""
+    seed = C.fresh_seed(args.seed)
+    jax, mesh, tp, info = C.start(args, seed)
+    jo = make_jo(mesh)
+
+    def label(r):
+        return "x".join(str(r[k]) for k in shape_keys)
+
+    def done(row):
+        print(json.dumps({k: row[k] for k in (*shape_keys, "ms", "notes")}), flush=True)
+
+    def report(rows, tp, stand_in):
+        return interleaved_report(rows, title.format(tp=tp), label_head, label, methods, stand_in)
+
+    def plot(rows, path, plot_title):
+        return C.plot_vs_gemm(rows, path, plot_title, plot_methods, label, (12, 4.5))
+
+    rows, crashed = C.measure_rows(
+        args.shapes,
+        lambda shape: measure(jax, mesh, tp, shape, args, jo, seed),
+        done,
+        lambda shape: "x".join(map(str, shape)),
+    )
+    return C.finish_op_benchmark(
+        args, script, info, tp, seed, rows, crashed, report, plot, label, **fields
+    )

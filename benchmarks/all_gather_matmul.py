@@ -23,8 +23,6 @@ not run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import _common as C
@@ -50,17 +48,8 @@ BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    C.add_common_args(p, "all_gather_matmul")
-    p.add_argument("--shapes", help="comma-separated MxKxN_local (M = gathered rows)")
-    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
-    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
-    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
-    if a.shapes:
-        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
-    else:
-        a.shapes = SMOKE_SHAPES if a.cpu_smoke else SHAPES
-    return a
+    shapes_help = "comma-separated MxKxN_local (M = gathered rows)"
+    return I.parse_args(argv, __doc__, "all_gather_matmul", SHAPES, SMOKE_SHAPES, shapes_help)
 
 
 def make_inputs(jax, mesh, shape, tp, seed):
@@ -136,41 +125,15 @@ def measure_shape(jax, mesh, tp, shape, args, jo, seed):
     return I.time_interleaved(row, fns, METHODS, args)
 
 
-def report(rows, tp, stand_in):
-    title = (
-        f"all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
-        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
-    )
-    return I.interleaved_report(rows, title, "MxKxN_l", _label, METHODS, stand_in)
-
-
-def _label(r):
-    return f"{r['M']}x{r['K']}x{r['N_local']}"
-
-
-def plot(rows, path, title):
-    methods = ["xla", "jaxoverlap", "auto", "ag_only"]
-    return C.plot_vs_gemm(rows, path, title, methods, _label, (12, 4.5))
-
-
 def main(argv=None):
     args = parse_args(argv)
-    seed = C.fresh_seed(args.seed)
-    jax, mesh, tp, info = C.start(args, seed)
-    jo = jaxoverlap_fns(mesh, args)
-
-    def done(row):
-        keys = ("M", "K", "N_local", "ms", "notes")
-        print(json.dumps({k: row[k] for k in keys}), flush=True)
-
-    rows, crashed = C.measure_rows(
-        args.shapes,
-        lambda shape: measure_shape(jax, mesh, tp, shape, args, jo, seed),
-        done,
-        lambda shape: "x".join(map(str, shape)),
+    title = (
+        "all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
+        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
     )
-    return C.finish_op_benchmark(
-        args, "all_gather_matmul", info, tp, seed, rows, crashed, report, plot, _label,
+    return I.main(
+        args, "all_gather_matmul", lambda mesh: jaxoverlap_fns(mesh, args), measure_shape,
+        METHODS, ("M", "K", "N_local"), "MxKxN_l", title, ["xla", "jaxoverlap", "auto", "ag_only"],
         tolerance=BF16_TOL, fused_config={"chunks": args.chunks},
     )  # fmt: skip
 

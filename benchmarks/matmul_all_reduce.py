@@ -23,8 +23,6 @@ not run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import _common as C
@@ -37,18 +35,10 @@ BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32; bf16 rounds the part
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    C.add_common_args(p, "matmul_all_reduce")
-    p.add_argument("--shapes", help="comma-separated MxK_localxN")
-    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
-    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
-    p.add_argument("--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)")
-    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
-    if a.shapes:
-        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
-    else:
-        a.shapes = SMOKE_SHAPES if a.cpu_smoke else C.SHAPES
-    return a
+    return I.parse_args(
+        argv, __doc__, "matmul_all_reduce", C.SHAPES, SMOKE_SHAPES, "comma-separated MxK_localxN",
+        comm_sms=True,
+    )  # fmt: skip
 
 
 def error_fn(mesh):
@@ -92,46 +82,21 @@ def measure_shape(jax, mesh, tp, shape, args, jo, seed):
     return row
 
 
-def report(rows, tp, stand_in):
-    title = (
-        f"matmul_all_reduce, ms (median), tp={tp}, bf16; jo = backend='fused', "
-        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
-    )
-    return I.interleaved_report(rows, title, "MxK_lxN", _label, METHODS, stand_in)
-
-
-def _label(r):
-    return f"{r['M']}x{r['K_local']}x{r['N']}"
-
-
-def plot(rows, path, title):
-    methods = ["xla", "jaxoverlap", "auto", "ar_only"]
-    return C.plot_vs_gemm(rows, path, title, methods, _label)
-
-
 def main(argv=None):
     from jax.sharding import PartitionSpec as P
 
     args = parse_args(argv)
-    seed = C.fresh_seed(args.seed)
-    jax, mesh, tp, info = C.start(args, seed)
     knobs = {"chunks": args.chunks, "comm_sms": args.comm_sms}
     specs = ((P(None, "tp"), P("tp", None)), P())
-    jo = I.jaxoverlap_fns(mesh, args, "matmul_all_reduce", *specs, knobs)
-
-    def done(row):
-        keys = ("M", "K_local", "N", "ms", "notes")
-        print(json.dumps({k: row[k] for k in keys}), flush=True)
-
-    rows, crashed = C.measure_rows(
-        args.shapes,
-        lambda shape: measure_shape(jax, mesh, tp, shape, args, jo, seed),
-        done,
-        lambda shape: "x".join(map(str, shape)),
+    title = (
+        "matmul_all_reduce, ms (median), tp={tp}, bf16; jo = backend='fused', "
+        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
     )
-    return C.finish_op_benchmark(
-        args, "matmul_all_reduce", info, tp, seed, rows, crashed, report, plot, _label,
-        tolerance=BF16_TOL, fused_config=knobs,
+    return I.main(
+        args, "matmul_all_reduce",
+        lambda mesh: I.jaxoverlap_fns(mesh, args, "matmul_all_reduce", *specs, knobs),
+        measure_shape, METHODS, ("M", "K_local", "N"), "MxK_lxN", title,
+        ["xla", "jaxoverlap", "auto", "ar_only"], tolerance=BF16_TOL, fused_config=knobs,
     )  # fmt: skip
 
 

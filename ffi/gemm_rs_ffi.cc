@@ -230,48 +230,33 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   return result;
 }
 
-#define JAXOVERLAP_GEMM_RS_ATTRS                                                               \
-  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
-      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
-      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag, ffi::RunId run_id, \
-      int64_t w_colmajor
-#define JAXOVERLAP_GEMM_RS_ARGS                                                               \
-  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
-      run_id, w_colmajor
-
+// jaxoverlap_gemm_rs_v1 (kAllReduce false) and jaxoverlap_gemm_ar_v1 (true).
+template <bool kAllReduce>
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                      JAXOVERLAP_GEMM_RS_ATTRS) {
-  return GemmRs(xla_stream, device, x, w, &*out, false, JAXOVERLAP_GEMM_RS_ARGS);
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
+                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                      int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
+                      int64_t call_tag, ffi::RunId run_id, int64_t w_colmajor) {
+  return GemmRs(xla_stream, device, x, w, &*out, kAllReduce, site, ordinals, ranks, groups, n,
+                comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, run_id, w_colmajor);
 }
 
-ffi::Error GemmArImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                      JAXOVERLAP_GEMM_RS_ATTRS) {
-  return GemmRs(xla_stream, device, x, w, &*out, true, JAXOVERLAP_GEMM_RS_ARGS);
+// Both targets' binding: x [..., K], w [K, N] -> out, then the common attributes.
+auto gemm_rs_binding() {
+  return bind_common_attrs(xla::ffi::Ffi::Bind()
+                               .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                               .Ctx<xla::ffi::DeviceOrdinal>()
+                               .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
+                               .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
+                               .Ret<xla::ffi::AnyBuffer>())  // out
+      .Attr<int64_t>("w_colmajor");                          // w stored column-major
 }
-#undef JAXOVERLAP_GEMM_RS_ATTRS
-#undef JAXOVERLAP_GEMM_RS_ARGS
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // out [rows / n, ..., N]
-                                  .Attr<int64_t>("w_colmajor"));  // w stored column-major
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmArV1, jaxoverlap::GemmArImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // out [..., N], the sum
-                                  .Attr<int64_t>("w_colmajor"));  // w stored column-major
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl<false>,
+                              jaxoverlap::gemm_rs_binding());  // out [rows / n, ..., N]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmArV1, jaxoverlap::GemmRsImpl<true>,
+                              jaxoverlap::gemm_rs_binding());  // out [..., N], the sum
