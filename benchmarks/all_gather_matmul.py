@@ -23,12 +23,10 @@ not run.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import sys
 
 import _common as C
+import _interleaved as I
 
 # BENCHMARKS.md's all-gather -> matmul table, then column-parallel layers at tp = 2 with 8192
 # tokens: QKV and fused gate+up of 8B- (d 4096, ffn 14336), 70B- (d 8192) and 405B-class
@@ -47,21 +45,11 @@ SHAPES = [
 SMOKE_SHAPES = [(128, 64, 64), (256, 128, 64)]
 METHODS = ("xla", "gemm_only", "ag_only", "jaxoverlap", "auto", "gemm_part", "xla_again")
 BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32
-NOISY = 0.05
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    C.add_common_args(p, "all_gather_matmul")
-    p.add_argument("--shapes", help="comma-separated MxKxN_local (M = gathered rows)")
-    p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
-    p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
-    a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
-    if a.shapes:
-        a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
-    else:
-        a.shapes = SMOKE_SHAPES if a.cpu_smoke else SHAPES
-    return a
+    shapes_help = "comma-separated MxKxN_local (M = gathered rows)"
+    return I.parse_args(argv, __doc__, "all_gather_matmul", SHAPES, SMOKE_SHAPES, shapes_help)
 
 
 def make_inputs(jax, mesh, shape, tp, seed):
@@ -104,28 +92,9 @@ def jaxoverlap_fns(mesh, args):
     """backend -> jitted fn (+ the GEMM-only diagnostic), or a sentence saying why not."""
     from jax.sharding import PartitionSpec as P
 
-    try:
-        jaxoverlap = C.import_jaxoverlap()
-        from jaxoverlap import fused
-    except Exception as e:  # noqa: BLE001
-        return f"import jaxoverlap failed: {type(e).__name__}: {e}"
-
-    def make(backend):
-        knobs = {"chunks": args.chunks} if backend == "fused" else {}
-        cfg = jaxoverlap.Config(backend=backend, **knobs)
-
-        def body(x, w):
-            return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=0, config=cfg)
-
-        return C.shard_map(body, mesh, (P("tp", None), P(None, "tp")), P(None, "tp"))
-
-    fused_backend = "xla" if args.smoke_stand_in else "fused"
-    profile = contextlib.nullcontext if args.smoke_stand_in else fused._gemm_only_for_tools
-    return {
-        "fused": make(fused_backend),
-        "auto": make("auto"),
-        "gemm_part": (make(fused_backend), profile),
-    }
+    specs = ((P("tp", None), P(None, "tp")), P(None, "tp"))
+    knobs = {"chunks": args.chunks}
+    return I.jaxoverlap_fns(mesh, args, "all_gather_matmul", *specs, knobs, gather_dimension=0)
 
 
 def measure_shape(jax, mesh, tp, shape, args, jo, seed):
@@ -152,114 +121,19 @@ def measure_shape(jax, mesh, tp, shape, args, jo, seed):
     if isinstance(jo, str):
         row["notes"].append(jo)
     else:
-        for key, f in (("jaxoverlap", jo["fused"]), ("auto", jo["auto"])):
-            try:
-                targets = C.custom_call_targets(f.lower(x, w).compile().as_text())
-                row["check"][key] = check(f(x, w))
-            except Exception as e:  # noqa: BLE001 - the reason is the result
-                row["notes"].append(f"{key}: {type(e).__name__}: {e}".strip())
-                continue
-            ours = [t for t in targets if t.startswith("jaxoverlap")]
-            if key == "auto":
-                row["auto_picks"] = "fused" if ours else "xla"
-            elif not ours and not args.smoke_stand_in:
-                row["notes"].append("backend='fused' compiled without a jaxoverlap custom call")
-                continue
-            if row["check"][key]["ok"]:
-                fns[key] = (f, (x, w))
-            else:
-                row["notes"].append(f"{key}: WRONG RESULT, not timed")
-        if "jaxoverlap" in fns:
-            f, profile = jo["gemm_part"]
-            with profile():  # read when the call is traced and lowered
-                f(x, w)
-            fns["gemm_part"] = (f, (x, w))
-    fns["xla_again"] = fns["xla"]
-    res = C.bench(fns, samples=args.samples, target_ms=args.target_ms)
-    row["ms"] = {m: res[m]["ms"] if m in res else None for m in METHODS}
-    row["spread"] = {
-        m: (max(r["samples_ms"]) - min(r["samples_ms"])) / r["ms"] for m, r in res.items()
-    }
-    for name, r in res.items():
-        row["iters"][name], row["samples_ms"][name] = r["iters"], r["samples_ms"]
-    a, b = row["ms"]["xla"], row["ms"]["xla_again"]
-    row["noisy"] = bool(abs(a - b) > NOISY * min(a, b))
-    if row["noisy"]:
-        row["notes"].append(f"NOISY: xla {a:.3f} vs xla_again {b:.3f} ms: repeat this row")
-    return row
-
-
-def report(rows, tp, stand_in):
-    jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
-    headers = f"MxKxN_l xla gemm_only ag_only {jo} auto gemm_part xla_again auto= jo_spread "
-    headers = (headers + "xla/gemm xla/jo jo/gemm xla/auto").split()
-    lines = []
-    for r in rows:
-        ms = r["ms"]
-        lines.append(
-            [
-                f"{r['M']}x{r['K']}x{r['N_local']}",
-                *(C.fmt(ms[m]) for m in METHODS),
-                r.get("auto_picks", "-"),
-                C.fmt(r["spread"].get("jaxoverlap"), ".2f"),
-                C.fmt(C.ratio(ms["xla"], ms["gemm_only"]), ".2f"),
-                C.fmt(C.ratio(ms["xla"], ms["jaxoverlap"]), ".2f"),
-                C.fmt(C.ratio(ms["jaxoverlap"], ms["gemm_only"]), ".2f"),
-                C.fmt(C.ratio(ms["xla"], ms["auto"]), ".2f"),
-            ]
-        )
-    g = {
-        "jaxoverlap_over_xla": C.geomean(
-            C.ratio(r["ms"]["xla"], r["ms"]["jaxoverlap"]) for r in rows
-        ),
-        "jaxoverlap_over_gemm_only": C.geomean(
-            C.ratio(r["ms"]["jaxoverlap"], r["ms"]["gemm_only"]) for r in rows
-        ),
-        "auto_over_xla": C.geomean(C.ratio(r["ms"]["xla"], r["ms"]["auto"]) for r in rows),
-    }
-    n = sum(r["ms"]["jaxoverlap"] is not None for r in rows)
-    text = "\n".join(
-        [
-            f"all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
-            "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs",
-            C.table(headers, lines),
-            f"geomean speedup of jaxoverlap over xla: {C.fmt(g['jaxoverlap_over_xla'], '.3f')}x, "
-            f"jaxoverlap/gemm_only: {C.fmt(g['jaxoverlap_over_gemm_only'], '.3f')} "
-            f"({n}/{len(rows)} shapes fused); auto over xla: {C.fmt(g['auto_over_xla'], '.3f')}x",
-        ]
-    )
-    notes = [f"  {r['M']}x{r['K']}x{r['N_local']}: {C.short(n)}" for r in rows for n in r["notes"]]
-    if notes:
-        text += "\nnotes:\n" + "\n".join(dict.fromkeys(notes))
-    return text, g
-
-
-def plot(rows, path, title):
-    methods = ["xla", "jaxoverlap", "auto", "ag_only"]
-    return C.plot_vs_gemm(
-        rows, path, title, methods, lambda r: f"{r['M']}x{r['K']}x{r['N_local']}", (12, 4.5)
-    )
+        I.add_fused_methods(row, jo, fns, check, (x, w), args.smoke_stand_in)
+    return I.time_interleaved(row, fns, METHODS, args)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    seed = C.fresh_seed(args.seed)
-    jax, mesh, tp, info = C.start(args, seed)
-    jo = jaxoverlap_fns(mesh, args)
-
-    def done(row):
-        keys = ("M", "K", "N_local", "ms", "notes")
-        print(json.dumps({k: row[k] for k in keys}), flush=True)
-
-    rows, crashed = C.measure_rows(
-        args.shapes,
-        lambda shape: measure_shape(jax, mesh, tp, shape, args, jo, seed),
-        done,
-        lambda shape: "x".join(map(str, shape)),
+    title = (
+        "all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
+        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
     )
-    return C.finish_op_benchmark(
-        args, "all_gather_matmul", info, tp, seed, rows, crashed, report, plot,
-        lambda r: f"{r['M']}x{r['K']}x{r['N_local']}",
+    return I.main(
+        args, "all_gather_matmul", lambda mesh: jaxoverlap_fns(mesh, args), measure_shape,
+        METHODS, ("M", "K", "N_local"), "MxKxN_l", title, ["xla", "jaxoverlap", "auto", "ag_only"],
         tolerance=BF16_TOL, fused_config={"chunks": args.chunks},
     )  # fmt: skip
 

@@ -1,5 +1,6 @@
-// FFI handler of the fused GEMM + reduce-scatter (jaxoverlap_gemm_rs_v1): decode, validate,
-// fork onto the GEMM and comm green-context streams, launch, join back onto XLA's stream.
+// FFI handler of the fused GEMM + reduce-scatter (jaxoverlap_gemm_rs_v1) and of its all-reduce
+// mode (jaxoverlap_gemm_ar_v1): decode, validate, fork onto the GEMM and comm green-context
+// streams, launch, join back onto XLA's stream.
 // Schedule for rank r of n ("decomposed", DESIGN.md section 5): the GEMM computes the row
 // blocks of ranks r+1, ..., r-1 chunk by chunk into the partials buffer and signals each chunk;
 // the comm kernel pushes each finished chunk to its owner's staging slot; last, the GEMM computes
@@ -7,6 +8,13 @@
 // costs no extra pass. n > 2: the comm kernel's receivers first sum the peers' chunks in rank
 // order. `w_colmajor`: w[K, N] is stored column-major (the transpose of a row-major [N, K]
 // array, as in the backward's ct @ w.T), read as cuBLASLt's transposed operand.
+// All-reduce (out[M, N], the whole sum on every rank): the own GEMM writes rank r's rows of the
+// output; as each reduced chunk is done, the copy engine (the device's copy stream, no SMs)
+// pushes it into every peer's second staging area (Workspace::gather) and releases the peer's
+// Flags::gathered flag (kernels/ce.cu); after its comm kernel, the comm stream waits for each
+// peer's reduced chunks and copies them from that area into the peer's rows of the output. Every
+// rank holds the owners' rows verbatim: the ranks' outputs are bitwise equal. Both staging areas
+// are released by one slot_free release, after the own GEMMs and the gather copies read them.
 #include <string>
 #include <vector>
 
@@ -17,15 +25,15 @@
 namespace jaxoverlap {
 namespace {
 
-constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused)";
-
-ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                      int64_t chunks, double timeout_s, int64_t stall_rank,
-                      int64_t profile, int64_t call_tag, ffi::RunId run_id,
-                      int64_t w_colmajor) {
+ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer* out, bool all_reduce, int64_t site,
+                  ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                  ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
+                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
+                  ffi::RunId run_id, int64_t w_colmajor) {
+  const char* kWhat = all_reduce ? "jaxoverlap.matmul_all_reduce (fused)"
+                                 : "jaxoverlap.matmul_reduce_scatter (fused)";
+  const int op_code = all_reduce ? kOpGemmAr : kOpGemmRs;
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   DType dtype;
@@ -39,8 +47,9 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t K = wd[0], N = wd[1];
   const int64_t M = K ? (int64_t)x.element_count() / K : 0;
   const int64_t elt = 2;
-  if (M % n || (int64_t)out->element_count() != M / n * N)
-    return invalid(kWhat, "result size is not (rows / group size) x N");
+  if (M % n || (int64_t)out->element_count() != (all_reduce ? M : M / n) * N)
+    return invalid(kWhat, all_reduce ? "result size is not rows x N"
+                                     : "result size is not (rows / group size) x N");
   const int64_t m = M / n;
   if (chunks < 1 || chunks > kMaxChunks || m % chunks)
     return invalid(kWhat, "chunks must divide the rows per rank and be at most 16");
@@ -61,7 +70,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   const int64_t block_bytes = m * N * elt;
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, rank, block_bytes, true, &ws); !e.empty())
+  if (std::string e = workspace(site, group, rank, block_bytes, true, &ws, all_reduce);
+      !e.empty())
     return internal(kWhat, e);
   // From here on this call counts on every rank: a failure below gives it up on all of them.
   uint32_t index = 0;
@@ -73,6 +83,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     return e;
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
+    if (std::string e = all_reduce ? ce_setup(dev) : ""; !e.empty()) return internal(kWhat, e);
     if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
     if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
       return internal(kWhat, "test-only failure injected on this rank after begin_call");
@@ -83,6 +94,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();
     char* op = static_cast<char*>(out->untyped_data());
+    char* own_rows = all_reduce ? op + rank * block_bytes : op;  // where the own GEMM writes
+    const int64_t chunk_bytes = mc * N * elt;
     char* partials = ws->part[rank];
     const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms, w_colmajor != 0};
     const GemmShape own{mc, N, K, dtype, true, part->gemm_sms, w_colmajor != 0};
@@ -102,6 +115,10 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/true, ws->done[rank]);
         e.failure())
       return e;
+    if (all_reduce) {  // the copy stream too (fork_streams recorded dev->fork)
+      CK(cudaStreamWaitEvent(dev->copy, dev->fork));
+      CK(cudaStreamWaitEvent(dev->copy, ws->done[rank]));
+    }
     if (!ws->warmed[rank]) {
       // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
       // launched, with the pointers' alignments of the real calls (plans depend on them): the
@@ -110,7 +127,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       // workspace: ordered with every other GEMM of the stream.
       if (std::string e = dev->gemm.run(foreign, xp, wp, nullptr, partials, part->gemm); !e.empty())
         return internal(kWhat, e);
-      if (std::string e = dev->gemm.run(own, xp, wp, partials, op, part->gemm); !e.empty())
+      if (std::string e = dev->gemm.run(own, xp, wp, partials, own_rows, part->gemm); !e.empty())
         return internal(kWhat, e);
       ws->warmed[rank] = true;
     }
@@ -139,7 +156,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     c.wait_ready = 1;
     c.signal_reduced = n > 2;
     c.stall_rank = (int)stall_rank;
-    c.op = kOpGemmRs;
+    c.op = op_code;
     c.timeout_ns = timeout_ns;
     c.err = err;
     c.dtype = dtype;
@@ -148,37 +165,98 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
     const bool communicate = profile != 1;
     if (communicate) CK(launch_comm(c, part->comm));
     const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
+    const bool gather = all_reduce && communicate;
     for (int k = 0; k < chunks; ++k) {
       if (communicate)
-        CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, kOpGemmRs, timeout_ns,
+        CK(launch_wait_chunk(peers, k, n == 2 ? senders : receivers, n > 2, op_code, timeout_ns,
                              err, part->gemm));
       const char* cin = n == 2 ? peers.stage[rank] +
-                                     stage_slot(peer, rank, (int)n) * block_bytes + k * mc * N * elt
-                               : ws->acc[rank] + k * mc * N * elt;
+                                     stage_slot(peer, rank, (int)n) * block_bytes + k * chunk_bytes
+                               : ws->acc[rank] + k * chunk_bytes;
       const char* a = xp + (rank * m + k * mc) * K * elt;
-      if (std::string e = dev->gemm.run(own, a, wp, cin, op + k * mc * N * elt, part->gemm);
+      if (std::string e = dev->gemm.run(own, a, wp, cin, own_rows + k * chunk_bytes, part->gemm);
           !e.empty())
         return internal(kWhat, e);
+      if (!gather) continue;
+      // The reduced chunk k, pushed to every peer behind its GEMM (dev->gemm_done is re-recorded
+      // per chunk: each wait below captures the record just before it). Peers in the order
+      // r + 1, r + 2, ..., the order in which they wait for the sources (below).
+      CK(cudaEventRecord(dev->gemm_done, part->gemm));
+      CK(cudaStreamWaitEvent(dev->copy, dev->gemm_done));
+      for (int t = 1; t < n; ++t) {
+        const int j = (rank + t) % (int)n;
+        if (k == 0) CK(launch_ce_wait_slot_free(peers, j, op_code, timeout_ns, err, dev->copy));
+        char* dst = ws->gather[j] + stage_slot(rank, j, (int)n) * block_bytes + k * chunk_bytes;
+        CK(cudaMemcpyAsync(dst, own_rows + k * chunk_bytes, chunk_bytes, cudaMemcpyDefault,
+                           dev->copy));
+        CK(launch_ce_signal_arrival(peers, j, k, (int)stall_rank, dev->copy, /*gathered=*/true));
+      }
     }
-    if (communicate) CK(launch_release_slots(peers, part->gemm));
+    if (gather) {
+      // The peers' reduced chunks into their rows of the output, on the comm stream behind the
+      // comm kernel (which needs nothing of this, so no wait below can hold up a push a peer
+      // waits for).
+      for (int k = 0; k < chunks; ++k)
+        for (int t = 1; t < n; ++t) {
+          const int s = (rank - t + (int)n) % (int)n;
+          CK(launch_ce_wait_arrival(peers, s, k, op_code, timeout_ns, err, part->comm,
+                                    /*gathered=*/true));
+          const char* src =
+              ws->gather[rank] + stage_slot(s, rank, (int)n) * block_bytes + k * chunk_bytes;
+          CK(cudaMemcpyAsync(op + s * block_bytes + k * chunk_bytes, src, chunk_bytes,
+                             cudaMemcpyDefault, part->comm));
+        }
+      // Release the slots on the comm stream once the own GEMMs (the RS slots) and the copy
+      // stream's pushes (joined here for the join below) are done too.
+      CK(cudaEventRecord(dev->gemm_done, part->gemm));
+      CK(cudaStreamWaitEvent(part->comm, dev->gemm_done));
+      CK(cudaEventRecord(dev->comm_done, dev->copy));
+      CK(cudaStreamWaitEvent(part->comm, dev->comm_done));
+      CK(launch_release_slots(peers, part->comm));
+    } else if (communicate) {
+      CK(launch_release_slots(peers, part->gemm));
+    }
     return join(kWhat, xla_stream, dev, part, /*gemm=*/true, ws, rank,
                 {op, (int64_t)out->size_bytes(), dtype});
   }();
-  if (result.failure())
+  if (result.failure()) {
+    if (all_reduce && part && dev->copy) {  // close_call joins the comm stream: the copy's too
+      cudaEventRecord(dev->comm_done, dev->copy);
+      cudaStreamWaitEvent(part->comm, dev->comm_done);
+    }
     return fail_call(kWhat, xla_stream, dev, part, ws, rank, index,
                      {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, result);
+  }
   return result;
+}
+
+// jaxoverlap_gemm_rs_v1 (kAllReduce false) and jaxoverlap_gemm_ar_v1 (true).
+template <bool kAllReduce>
+ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
+                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                      int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
+                      int64_t call_tag, ffi::RunId run_id, int64_t w_colmajor) {
+  return GemmRs(xla_stream, device, x, w, &*out, kAllReduce, site, ordinals, ranks, groups, n,
+                comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, run_id, w_colmajor);
+}
+
+// Both targets' binding: x [..., K], w [K, N] -> out, then the common attributes.
+auto gemm_rs_binding() {
+  return bind_common_attrs(xla::ffi::Ffi::Bind()
+                               .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                               .Ctx<xla::ffi::DeviceOrdinal>()
+                               .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
+                               .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
+                               .Ret<xla::ffi::AnyBuffer>())  // out
+      .Attr<int64_t>("w_colmajor");                          // w stored column-major
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // out [rows / n, ..., N]
-                                  .Attr<int64_t>("w_colmajor"));  // w stored column-major
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl<false>,
+                              jaxoverlap::gemm_rs_binding());  // out [rows / n, ..., N]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmArV1, jaxoverlap::GemmRsImpl<true>,
+                              jaxoverlap::gemm_rs_binding());  // out [..., N], the sum

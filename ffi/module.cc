@@ -18,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmArV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
@@ -115,6 +116,7 @@ nb::dict registrations() {
     return s;
   };
   d["jaxoverlap_gemm_rs_v1"] = stages(JaxoverlapGemmRsV1);
+  d["jaxoverlap_gemm_ar_v1"] = stages(JaxoverlapGemmArV1);
   d["jaxoverlap_rs_v1"] = stages(JaxoverlapRsV1);
   d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
   d["jaxoverlap_ag_gemm_keep_v1"] = stages(JaxoverlapAgGemmKeepV1);

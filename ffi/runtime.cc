@@ -73,7 +73,8 @@ struct Cell {
   std::string error;
   bool owed[kMaxRanks] = {};
 };
-using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool>;  // site, group, bytes, part.
+// site, group, bytes, partials, gather area
+using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool, bool>;
 std::mutex g_mu;  // guards the maps' structure only (look-up, insertion); no CUDA call under it
 std::map<int, std::unique_ptr<Cell<DeviceRuntime>>> g_devices;
 std::map<WsKey, std::unique_ptr<Cell<Workspace>>> g_workspaces;
@@ -108,6 +109,7 @@ const char* op_name(int op) {
     case kOpGemmRs: return "jaxoverlap.matmul_reduce_scatter";
     case kOpAgGemm: return "jaxoverlap.all_gather_matmul";
     case kOpDgradRs: return "jaxoverlap.all_gather_matmul backward (dgrad reduce-scatter)";
+    case kOpGemmAr: return "jaxoverlap.matmul_all_reduce";
   }
   return "jaxoverlap.tma_reduce_scatter";
 }
@@ -355,7 +357,7 @@ void free_workspace(Workspace* ws) {
   for (int i = 0; i < ws->n; ++i) {
     cudaSetDevice(ws->ordinals[i]);
     for (void* p : {(void*)ws->peers[0].stage[i], (void*)ws->peers[0].flags[i], (void*)ws->part[i],
-                    (void*)ws->acc[i]})
+                    (void*)ws->acc[i], (void*)ws->gather[i]})
       if (p) cudaFree(p);
     if (ws->done[i]) cudaEventDestroy(ws->done[i]);
   }
@@ -363,7 +365,7 @@ void free_workspace(Workspace* ws) {
 }
 
 // Enables peer access, allocates and clears every member's buffers; on failure frees them.
-std::string create_workspace(Workspace* ws, bool with_partials) {
+std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather) {
   const int n = ws->n;
   const std::vector<int>& ordinals = ws->ordinals;
   const int64_t block_bytes = ws->block_bytes;
@@ -401,6 +403,8 @@ std::string create_workspace(Workspace* ws, bool with_partials) {
       return cuda_error("cudaMalloc (partials)", e);
     if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
       return cuda_error("cudaMalloc (peer sum)", e);
+    if (with_gather && (e = cudaMalloc(&ws->gather[i], (n - 1) * block_bytes)))
+      return cuda_error("cudaMalloc (gather staging)", e);
     // A private stream: the synchronisation below waits for this memset only, never for work
     // of other calls (which may be waiting on peers).
     cudaStream_t s;
@@ -422,10 +426,12 @@ std::string create_workspace(Workspace* ws, bool with_partials) {
 }  // namespace
 
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
-                      int64_t block_bytes, bool with_partials, Workspace** out) {
+                      int64_t block_bytes, bool with_partials, Workspace** out,
+                      bool with_gather) {
   // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
   // so calls on other workspaces (and their hot paths) never wait for it.
-  Cell<Workspace>* c = cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials});
+  Cell<Workspace>* c =
+      cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials, with_gather});
   std::lock_guard<std::mutex> lock(c->mu);
   if (rank >= 0 && rank < kMaxRanks && c->owed[rank]) {
     c->owed[rank] = false;
@@ -437,7 +443,7 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
     ws->ordinals = ordinals;
     ws->block_bytes = block_bytes;
     DeviceGuard guard;
-    if (std::string err = create_workspace(ws.get(), with_partials); !err.empty()) {
+    if (std::string err = create_workspace(ws.get(), with_partials, with_gather); !err.empty()) {
       free_workspace(ws.get());
       c->error = err;
       for (int r = 0; r < ws->n && r < kMaxRanks; ++r) c->owed[r] = r != rank;

@@ -87,6 +87,8 @@ struct Workspace {
   Peers peers[kMaxRanks];         // the table each rank's kernels get (rank field differs)
   char* part[kMaxRanks] = {};     // GEMM partials of the n - 1 foreign blocks, per rank
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
+  char* gather[kMaxRanks] = {};   // all-reduce: n - 1 slots of one block per rank (slot
+                                  // stage_slot(src, rank, n)), the peers' reduced blocks
   bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
   cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
   uint32_t* abort = nullptr;      // host-mapped abort ring (Peers::abort, kAbortSlots words)
@@ -121,8 +123,10 @@ void abort_call(Workspace* ws, uint32_t index);
 
 // The workspace of call kind `site` for `ordinals` (allocated on every member on first use).
 // A creation that fails fails the same call on every rank (`rank`: the caller's), never just one.
+// `with_gather`: also the second staging area `gather` (the GEMM + all-reduce).
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
-                      int64_t block_bytes, bool with_partials, Workspace** out);
+                      int64_t block_bytes, bool with_partials, Workspace** out,
+                      bool with_gather = false);
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);

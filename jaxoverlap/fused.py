@@ -17,10 +17,10 @@ Contract with `jaxoverlap/ops/*` (the only callers):
 What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimension=0`` (rows of
 the flattened ``[..., K]`` input) and ``all_gather_matmul`` with ``gather_dimension=0`` (each
 rank's ``x`` is one contiguous block of rows of the gathered input), and ``matmul_all_reduce``
-as the fused reduce-scatter over rows followed by XLA's all-gather; bf16 or f16, 2..8 GPUs of
-one process with NVLink peer access. Alignment: ``K`` and ``N`` multiples of 8; rows per rank
-per chunk times ``K`` and times ``N`` multiples of 128 elements (every GEMM operand 256-byte
-aligned).
+as one call: the fused reduce-scatter over rows whose reduced chunks the copy engine pushes to
+every peer as they are done; bf16 or f16, 2..8 GPUs of one process with NVLink peer access.
+Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk times ``K`` and times ``N``
+multiples of 128 elements (every GEMM operand 256-byte aligned).
 
 The standalone TMA reduce-scatter of the benchmarks is in `jaxoverlap.tma`.
 """
@@ -39,6 +39,7 @@ import numpy as np
 from jaxoverlap import runtime, topology
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
+GEMM_AR_TARGET = "jaxoverlap_gemm_ar_v1"  # the same schedule, the reduced rows gathered too
 AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
 AG_GEMM_KEEP_TARGET = "jaxoverlap_ag_gemm_keep_v1"  # also returns the gathered x
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
@@ -112,7 +113,7 @@ def _auto_reason(op, m, k, n_cols, dtype, n):
             ag_auto_predicts_win,
             "tp=2, gathered M >= 4096, K >= 4096, N_local >= 2048",
         ),
-        # The fused reduce-scatter followed by XLA's all-gather: never measured, so no rule.
+        # The fused all-reduce: not measured yet, so no rule; the tuner decides.
         "matmul_all_reduce": (lambda *_: False, "none: never measured"),
     }
     rule, what = rules[op]
@@ -349,7 +350,7 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
     runtime.register_targets()
     if op == "matmul_all_reduce":
-        return _lower_all_reduce(ctx, x, w, params, table.n)
+        return _lower_all_reduce(ctx, x, w, params, table)
     if op == "all_gather_matmul":
         entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.
@@ -359,6 +360,16 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
         kind = (target, *_operands_kind(x_aval, w_aval, params))
         attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind, ctx)
         return _ffi_call(target, ctx, x, w, params, attrs)
+    return _lower_rows(GEMM_RS_TARGET, op, ctx, x, w, params, table)
+
+
+def _lower_rows(target, op, ctx, x, w, params, table):
+    """The custom call ``target`` of the reduce-scatter schedule over rows (GEMM_RS_TARGET, or
+    GEMM_AR_TARGET), with the settings the tuner found for ``op`` and this shape, else the
+    defaults; an explicit ``Config.chunks`` / ``comm_sms`` wins."""
+    x_aval, w_aval = ctx.avals_in
+    config = params["config"]
+    m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
     entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
     setting = (
         (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
@@ -367,40 +378,16 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms or setting[1]
-    runtime.register_targets()
-    kind = (GEMM_RS_TARGET, *_operands_kind(x_aval, w_aval, params))
+    kind = (target, *_operands_kind(x_aval, w_aval, params))
     attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx)
-    return _ffi_call(GEMM_RS_TARGET, ctx, x, w, params, attrs)
+    return _ffi_call(target, ctx, x, w, params, attrs)
 
 
-def _lower_all_reduce(ctx, x, w, params, n):
-    """``psum(x @ w)`` as the fused GEMM + reduce-scatter over rows followed by XLA's all-gather
-    of the reduced rows (a ring all-reduce is a reduce-scatter then an all-gather: the first
-    half of the traffic hides behind the GEMM, the second half does not). Its settings and the
-    decision are the tuner's for this op and shape."""
-    import dataclasses
-
-    from jax import lax
-    from jax.interpreters import mlir
-
-    from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
-
-    axis = params["axis_name"]
-    config = params["config"]
-    x_aval, w_aval = ctx.avals_in
-    m, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    entry = tuned("matmul_all_reduce", m, k, n_cols, x_aval.dtype, n)
-    inner = dataclasses.replace(
-        config,
-        backend="fused",
-        chunks=config.chunks or (entry["chunks"] if entry else None),
-        comm_sms=config.comm_sms or (entry["comm_sms"] if entry else None),
-    )
-
-    def fn(x, w):
-        y = matmul_reduce_scatter_p.bind(
-            x, w, axis_name=axis, scatter_dimension=0, config=inner, w_colmajor=params["w_colmajor"]
-        )
-        return lax.all_gather(y, axis, axis=0, tiled=True)
-
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)
+def _lower_all_reduce(ctx, x, w, params, table):
+    """``psum(x @ w)`` as one custom call (GEMM_AR_TARGET, ffi/gemm_rs_ffi.cc): the fused GEMM +
+    reduce-scatter over rows, and as each reduced chunk of this rank's rows is done, the copy
+    engine pushes it to every peer (no SMs), which copies it into its output. Both halves of
+    the all-reduce's traffic overlap the GEMMs (the reduce-scatter followed by XLA's all-gather
+    left the gather exposed). Every rank holds the owners' rows verbatim: bitwise equal outputs.
+    Its settings and the decision are the tuner's for this op and shape."""
+    return _lower_rows(GEMM_AR_TARGET, "matmul_all_reduce", ctx, x, w, params, table)

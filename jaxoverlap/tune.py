@@ -200,7 +200,7 @@ OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 def candidates(op):
     """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
-    if op != "all_gather_matmul":  # the all-reduce is the fused reduce-scatter + an all-gather
+    if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's schedule
         return RS_CANDIDATES
     return tuple((c, None) for c in (1, 2, 4))
 

@@ -120,3 +120,26 @@ def test_stress_tool_smoke():
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "STRESS: PASSED" in r.stdout and "fused calls" in r.stdout, r.stdout
+
+
+def test_matmul_all_reduce_smoke(tmp_path):
+    stdout = run("matmul_all_reduce.py", tmp_path, "--shapes", "64x32x48", "--name", "mar")
+    assert "geomean speedup of jaxoverlap over xla" in stdout and "ar_only" in stdout
+    doc = load(tmp_path, "mar")
+    assert {"machine", "date", "jax_version", "rows"} <= doc.keys()
+    (row,) = doc["rows"]
+    assert (row["op"], row["M"], row["K_local"], row["N"], row["tp"], row["dtype"]) == (
+        "matmul_all_reduce",
+        64,
+        32,
+        48,
+        2,
+        "bfloat16",
+    )
+    timed = {"xla", "gemm_only", "ar_only", "jaxoverlap", "auto", "gemm_part", "xla_again"}
+    assert set(row["ms"]) == timed | {"xla_windowed"}
+    assert all(row["ms"][m] > 0 for m in timed) and row["ms"]["xla_windowed"] is None
+    assert set(row["check"]) == {"xla", "jaxoverlap", "auto"}
+    assert all(c["ok"] for c in row["check"].values())
+    assert row["auto_picks"] == "xla"  # no fused kernel on CPU
+    assert doc["geomean"]["jaxoverlap_over_xla"] > 0

@@ -49,19 +49,55 @@ def test_all_reduce_fuses_only_when_asked_or_tuned(native_ok, monkeypatch):
     assert "not divisible by the group size" in odd
 
 
-def test_cuda_lowering_of_all_reduce_is_fused_rs_then_all_gather(monkeypatch, lowering_only):
-    monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
+@pytest.mark.parametrize(
+    "x_shape, chunks, comm_sms",
+    [((1024, 2 * 256), None, None), ((4, 256, 2 * 256), 4, 8)],
+)
+def test_cuda_lowering_of_all_reduce_is_one_fused_call(lowering_only, x_shape, chunks, comm_sms):
+    """One GEMM_AR_TARGET call, the whole [..., N] sum as its result, the group table and the
+    settings as attributes; no collective is left to XLA."""
+    mesh = Mesh(np.array(jax.devices()[:2])[::-1], ("tp",))
+    cfg = Config(backend="fused", chunks=chunks, comm_sms=comm_sms, timeout_s=7.0)
+
+    def body(x, w):
+        return jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
+
+    x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P("tp")), out_specs=P()))
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 256, 384), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]
+    assert f"@{fused.GEMM_RS_TARGET}" not in text
+    assert "all_gather" not in text and "all_reduce" not in text and "reduce_scatter" not in text
+    local = "x".join(map(str, (*x_shape[:-1], 256)))
+    out = "x".join(map(str, (*x_shape[:-1], 384)))
+    assert f"(tensor<{local}xbf16>, tensor<256x384xbf16>) -> tensor<{out}xbf16>" in call, call
+    assert "ordinals = dense<[1, 0]>" in call and "ranks = dense<[0, 1]>" in call
+    assert "groups = dense<[1, 0, 1, 0]>" in call and "n = 2" in call
+    want_chunks, want_sms = (chunks, comm_sms) if chunks else fused._DEFAULT_SETTING
+    assert f"chunks = {want_chunks}" in call and f"comm_sms = {want_sms}" in call
+    assert "timeout_s = 7.0" in call and "stall_rank = -1" in call
+    assert "w_colmajor = 0" in call
+
+
+def test_all_reduce_stall_knob_reaches_its_call_only(lowering_only):
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 
     def body(x, w):
-        return jaxoverlap.matmul_all_reduce(x, w, "tp", config=Config(backend="fused"))
+        cfg = Config(backend="fused")
+        y = jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
+        return y, jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P()))
-    x = jax.ShapeDtypeStruct((1024, 2 * 256), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((2 * 256, 384), jnp.bfloat16)
-    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert len([ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]) == 1
-    assert "all_gather" in text and "all_reduce" not in text
+    specs = dict(in_specs=(P(None, "tp"), P("tp")), out_specs=(P(), P("tp")))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 384), jnp.bfloat16)
+    with fused._stalled_rank_for_tests(1, fused.GEMM_AR_TARGET):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
+        text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]
+    (rs,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]
+    assert "stall_rank = 1" in ar and "stall_rank = -1" in rs
 
 
 def test_reasons(native_ok):

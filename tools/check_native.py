@@ -123,6 +123,19 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
         if not err < 2e-2:
             return fail("fused all_gather_matmul differs from the reference")
 
+    def all_reduce(x, w):
+        return jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
+
+    ar = jax.jit(jax.shard_map(all_reduce, mesh=mesh, in_specs=xw, out_specs=P()))
+    if fused.GEMM_AR_TARGET not in ar.lower(x, w).compile().as_text():
+        return fail(f"fused matmul_all_reduce HLO lacks {fused.GEMM_AR_TARGET}")
+    got = [np.asarray(s.data.astype(jnp.float32)) for s in ar(x, w).addressable_shards]
+    want = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32)))
+    err = max(float(np.max(np.abs(g - want)) / np.max(np.abs(want))) for g in got)
+    print(f"fused matmul_all_reduce {m}x{k // 2}x{n} tp=2: rel err {err:.2e}", flush=True)
+    if not err < 2e-2 or not np.array_equal(got[0], got[1]):
+        return fail("fused matmul_all_reduce differs from the reference, or between the GPUs")
+
     y = jax.random.normal(kx, (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
     tma_rs = smap(lambda y: tma.tma_reduce_scatter(y, "tp", comm_sms=8), P(None, "tp"))
     nccl = smap(lambda y: lax.psum_scatter(y, "tp", tiled=True), P(None, "tp"))

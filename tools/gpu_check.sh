@@ -102,6 +102,7 @@ if ((BENCH)); then
     --windowed-timeout 80 "${BENCH_FLAGS[@]}"
   step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
   step bench-ag-gemm 150 "$PY" benchmarks/all_gather_matmul.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
+  step bench-gemm-ar 120 "$PY" benchmarks/matmul_all_reduce.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
 fi
 if ((STRESS)); then
   step stress 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/stress.py

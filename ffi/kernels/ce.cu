@@ -1,7 +1,8 @@
 // Copy-engine protocol kernels: the data moves with the copy engine (cudaMemcpyAsync, no SMs);
 // these one-thread kernels order it across GPUs. Used by the fused all-gather + GEMM
 // (jaxoverlap_ag_gemm_v1) and the dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc), which
-// pushes blocks of its dgrad partial the same way and sums what arrives (sum_blocks_kernel).
+// pushes blocks of its dgrad partial the same way and sums what arrives (sum_blocks_kernel), and
+// by the gather half of the fused GEMM + all-reduce (its own flags, Flags::gathered).
 // Protocol, as the all-gather uses it (rank r of n, workspace epoch e = Flags::epoch + 1 of this
 // call, never reset):
 //   copy stream, for each destination j = r + 1, ..., r - 1 (mod n):
@@ -39,21 +40,27 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
 }
 
 __global__ void ce_signal_arrival_kernel(const __grid_constant__ Peers p, int dst, int chunk,
-                                         int stall_rank) {
+                                         int stall_rank, int gathered) {
   const uint32_t e = p.flags[p.rank]->epoch + 1u;
   if (stall_rank == p.rank) return;
   // The copy before this kernel in stream order has completed; the system-scope fence orders its
   // writes (made by the copy engine) before the release as seen from the peer.
   __threadfence_system();
-  st_release_sys(&p.flags[dst]->arrive[p.rank][chunk][0], e);
+  Flags* f = p.flags[dst];
+  st_release_sys(gathered ? &f->gathered[p.rank][chunk] : &f->arrive[p.rank][chunk][0], e);
 }
 
 __global__ void ce_wait_arrival_kernel(const __grid_constant__ Peers p, int src, int chunk, int op,
-                                       uint64_t timeout_ns, ErrorRecord* err) {
-  const Flags* local = p.flags[p.rank];
+                                       uint64_t timeout_ns, ErrorRecord* err, int gathered) {
+  Flags* local = p.flags[p.rank];
   const uint32_t e = local->epoch + 1u;
-  wait_flag(&local->arrive[src][chunk][0], e, true, timeout_ns, err, p,
-            {op, kWaitCeBlock, src, chunk});
+  const uint32_t* flag = gathered ? &local->gathered[src][chunk] : &local->arrive[src][chunk][0];
+  const bool ok = wait_flag(flag, e, true, timeout_ns, err, p, {op, kWaitCeBlock, src, chunk});
+  // A reduced chunk is released after the sender's own waits of this call: if one of them gave
+  // up, the call's abort word was raised before (and is visible after the acquire above), and
+  // the chunk is garbage.
+  if (gathered && ok && p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e)
+    local->gave_up = e;
   fence_proxy_async();  // the GEMM may read the staged block through TMA
 }
 
@@ -128,14 +135,16 @@ cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64
 }
 
 cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
-                                     cudaStream_t stream) {
-  ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank);
+                                     cudaStream_t stream, bool gathered) {
+  ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank, gathered ? 1 : 0);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
-                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream) {
-  ce_wait_arrival_kernel<<<1, 1, 0, stream>>>(peers, src, chunk, op, timeout_ns, err);
+                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream,
+                                   bool gathered) {
+  ce_wait_arrival_kernel<<<1, 1, 0, stream>>>(peers, src, chunk, op, timeout_ns, err,
+                                              gathered ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -22,11 +22,16 @@ cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64
                                      ErrorRecord* err, cudaStream_t stream);
 // Copy stream, after the push of chunk `chunk` into rank `dst`'s slot: release
 // Flags::arrive[rank][chunk][0] = epoch + 1 on `dst` (.sys). stall_rank == rank: never (tests).
+// `gathered`: Flags::gathered[rank][chunk] instead (the all-reduce's reduced chunks).
 cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
-                                     cudaStream_t stream);
+                                     cudaStream_t stream, bool gathered = false);
 // Before reading rank `src`'s chunk `chunk` from this rank's slot: wait for its arrival flag.
+// `gathered`: the flag Flags::gathered[src][chunk]; and since a reduced chunk is computed after
+// the sender's own waits, the data is garbage if the call was given up (its abort word raised)
+// by then: this rank then gives the call up too (Flags::gave_up, NaN output).
 cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
-                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream);
+                                   uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream,
+                                   bool gathered = false);
 // out[i] = own[i] + sum over `count` blocks b of blocks[b * stride + i], i < elems, in f32, for
 // bf16 or f16 data. Every pointer and `stride` 16-byte aligned (elems: any).
 cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,

@@ -17,6 +17,7 @@ enum OpCode : int32_t {
   kOpReduceScatter = 2,
   kOpAgGemm = 3,
   kOpDgradRs = 4,  // the backward's dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc)
+  kOpGemmAr = 5,   // the fused GEMM + all-reduce (gemm_rs_ffi.cc, all-reduce mode)
 };
 enum WaitWhat : int32_t {
   kWaitGemmChunk = 1,  // comm kernel waited for the local GEMM to finish a chunk
@@ -46,6 +47,10 @@ struct Flags {
   uint32_t reduced[kMaxChunks][kMaxSenders];               // n > 2: [chunk][receiver CTA]
   uint32_t acc_ready[kMaxRanks][kMaxChunks][kMaxSenders];  // [owner rank][chunk][CTA]: the
                                                            // owner's accumulator holds its block
+  // [source rank][chunk]: the source's reduced chunk pushed by its copy engine (the gather half
+  // of the GEMM + all-reduce; apart from `arrive`, which its reduce-scatter half uses in the
+  // same call).
+  uint32_t gathered[kMaxRanks][kMaxChunks];
 };
 
 // The group as a kernel sees it (passed by value, __grid_constant__).
