@@ -94,7 +94,7 @@ print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__); print(jax.devic
 step native 90 "$PY" tools/check_native.py
 if ((TESTS)); then
   # No preallocation: some tests start a second GPU process while pytest holds the GPUs.
-  step gpu-tests 240 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  step gpu-tests 420 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider "${TEST_TIMEOUT[@]}"
 fi
 if ((BENCH)); then
