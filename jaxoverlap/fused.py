@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import hashlib
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +197,22 @@ def choose_chunks(m, k, n_cols, requested=None):
 
 
 _FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
+
+# The training path's kernels -- all_gather_matmul's variant that returns the gathered x, and the
+# column-parallel backward (docs/training-path.md) -- run under backend="auto" only once they
+# have run and been measured on GPUs; until then auto keeps JAX's own collectives there (what
+# plain JAX runs) and backend="fused" runs them. JAXOVERLAP_AUTO_TRAINING_PATH=1 opts auto in.
+AUTO_TRAINING_PATH = os.environ.get("JAXOVERLAP_AUTO_TRAINING_PATH") == "1"
+
+
+def training_path_reason():
+    """None if backend="auto" may take the training path's kernels, else why not."""
+    if AUTO_TRAINING_PATH:
+        return None
+    return (
+        "backend='auto': the training path's fused kernels (the all-gather that returns x, the "
+        "column-parallel backward) have not run on GPUs yet; backend='fused' runs them"
+    )
 
 
 def unsupported_reason(op, x, w, params, axis_size):

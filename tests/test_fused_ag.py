@@ -164,3 +164,30 @@ def test_backward_uses_both_fused_ops(lowering_only):
 
 def _site(call):
     return call.split("site = ")[1].split(" ")[0]
+
+
+@pytest.mark.parametrize("opted_in", [False, True])
+def test_auto_takes_the_training_path_only_once_opted_in(lowering_only, monkeypatch, opted_in):
+    """Until the training path's kernels have run on GPUs, backend="auto" keeps JAX's own
+    collectives for them (JAXOVERLAP_AUTO_TRAINING_PATH=1, fused.AUTO_TRAINING_PATH, opts in);
+    the forward reduce-scatter stays fused either way."""
+    monkeypatch.setattr(fused, "AUTO_TRAINING_PATH", opted_in)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def layer(x, w1, w2):
+        h = jaxoverlap.all_gather_matmul(x, w1, "tp")
+        return jaxoverlap.matmul_reduce_scatter(h, w2, "tp")
+
+    def loss(x, w1, w2):
+        specs = (P("tp"), P(None, "tp"), P("tp", None))
+        y = jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P("tp"))(x, w1, w2)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    shapes = [(8192, 4096), (4096, 2 * 4096), (2 * 4096, 4096)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    training = [fused.AG_GEMM_KEEP_TARGET, fused_backward.TARGET]
+    assert all((f"@{t}" in text) == opted_in for t in training), text.count("@jaxoverlap")
+    assert len(_calls(text, fused.GEMM_RS_TARGET)) == 1
+    assert ("all_gather" in text) != opted_in
