@@ -186,27 +186,18 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   return result;
 }
 
-#define JAXOVERLAP_AG_ATTRS                                                                    \
-  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
-      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
-      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag, ffi::RunId run_id, \
-      int64_t w_colmajor
-#define JAXOVERLAP_AG_ARGS                                                                    \
-  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
-      run_id, w_colmajor
-
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, JAXOVERLAP_AG_ATTRS) {
-  return AgGemm(xla_stream, device, x, w, &*out, nullptr, JAXOVERLAP_AG_ARGS);
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                      JAXOVERLAP_GEMM_ATTR_PARAMS) {
+  return AgGemm(xla_stream, device, x, w, &*out, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
 }
 
 ffi::Error AgGemmKeepImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                           ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> gathered, JAXOVERLAP_AG_ATTRS) {
-  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, JAXOVERLAP_AG_ARGS);
+                          ffi::Result<ffi::AnyBuffer> gathered,
+                          JAXOVERLAP_GEMM_ATTR_PARAMS) {
+  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, JAXOVERLAP_GEMM_ATTR_ARGS);
 }
-#undef JAXOVERLAP_AG_ATTRS
-#undef JAXOVERLAP_AG_ARGS
 
 }  // namespace
 }  // namespace jaxoverlap

@@ -165,32 +165,22 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   return result;
 }
 
-#define JAXOVERLAP_BULK_ATTRS                                                                  \
-  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,             \
-      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,            \
-      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag, ffi::RunId run_id, \
-      int64_t w_colmajor
-#define JAXOVERLAP_BULK_ARGS                                                                  \
-  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
-      run_id, w_colmajor
-
 ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
                             ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> scratch,
-                            JAXOVERLAP_BULK_ATTRS) {
+                            JAXOVERLAP_GEMM_ATTR_PARAMS) {
   return DgradRsWgrad(xla_stream, device, ct, wt, g, nullptr, &*dx, &*dw, &*scratch,
-                      JAXOVERLAP_BULK_ARGS);
+                      JAXOVERLAP_GEMM_ATTR_ARGS);
 }
 
 ffi::Error DgradRsWgradAccImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
                                ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::AnyBuffer e,
                                ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
-                               ffi::Result<ffi::AnyBuffer> scratch, JAXOVERLAP_BULK_ATTRS) {
+                               ffi::Result<ffi::AnyBuffer> scratch,
+                               JAXOVERLAP_GEMM_ATTR_PARAMS) {
   return DgradRsWgrad(xla_stream, device, ct, wt, g, &e, &*dx, &*dw, &*scratch,
-                      JAXOVERLAP_BULK_ARGS);
+                      JAXOVERLAP_GEMM_ATTR_ARGS);
 }
-#undef JAXOVERLAP_BULK_ATTRS
-#undef JAXOVERLAP_BULK_ARGS
 
 }  // namespace
 }  // namespace jaxoverlap

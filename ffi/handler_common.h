@@ -236,6 +236,18 @@ inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRu
   return ffi::Error::Success();
 }
 
+// The parameters and arguments of bind_common_attrs' attributes (and the run id) followed by
+// `w_colmajor`, for handlers with variants of different buffer lists that forward to one
+// implementation (ag_ffi.cc, bulk_ffi.cc).
+#define JAXOVERLAP_GEMM_ATTR_PARAMS                                                           \
+  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,            \
+      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,           \
+      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,                \
+      ffi::RunId run_id, int64_t w_colmajor
+#define JAXOVERLAP_GEMM_ATTR_ARGS                                                             \
+  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
+      run_id, w_colmajor
+
 // The attributes both handlers take after their buffers, in this order (the lowering,
 // jaxoverlap/fused.py, sends them by name).
 template <typename Binding>
