@@ -84,13 +84,10 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   Partition streams;
   streams.gemm = xla_stream;
   ffi::Error result = [&]() -> ffi::Error {
-    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-    if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);
-    streams.comm = dev->copy;
-    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
-      return internal(kWhat, "test-only failure injected on this rank after begin_call");
-    ErrorRecord* err = error_record(device);
-    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+    ErrorRecord* err = nullptr;
+    if (ffi::Error e = ce_call_start(kWhat, dev, device, rank, stall_rank, &streams, &err);
+        e.failure())
+      return e;
     const Peers& peers = ws->peers[rank];
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();

@@ -129,6 +129,21 @@ inline std::string ce_setup(DeviceRuntime* dev) {
   return "";
 }
 
+// The start of a copy-engine handler's call, after begin_call: our kernels loaded, the copy
+// stream as `streams->comm` (the join's), the test-only failure (fused._failed_rank_for_tests),
+// the device's error record in `*err`.
+inline ffi::Error ce_call_start(const char* kWhat, DeviceRuntime* dev, int32_t device, int rank,
+                                int64_t stall_rank, Partition* streams, ErrorRecord** err) {
+  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
+  if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);
+  streams->comm = dev->copy;
+  if (stall_rank <= -2 && rank == -2 - stall_rank)
+    return internal(kWhat, "test-only failure injected on this rank after begin_call");
+  *err = error_record(device);
+  if (!*err) return internal(kWhat, "could not allocate the host-mapped error record");
+  return ffi::Error::Success();
+}
+
 // The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
 // wait for XLA's stream and for the previous call of the same workspace on this device
 // (`ws_done`, recorded by `join`): calls of one workspace never overlap on a device, even when
