@@ -23,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsCeV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1);
 
 namespace nb = nanobind;
@@ -121,6 +122,7 @@ nb::dict registrations() {
   d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
   d["jaxoverlap_ag_gemm_keep_v1"] = stages(JaxoverlapAgGemmKeepV1);
   d["jaxoverlap_dgrad_rs_wgrad_v1"] = stages(JaxoverlapDgradRsWgradV1);
+  d["jaxoverlap_gemm_rs_ce_v1"] = stages(JaxoverlapGemmRsCeV1);
   d["jaxoverlap_dgrad_rs_wgrad_acc_v1"] = stages(JaxoverlapDgradRsWgradAccV1);
   return d;
 }

@@ -37,6 +37,9 @@ struct DeviceRuntime {
   // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
   bool ce_kernels_loaded = false;
+  // The copy-engine reduce-scatter's GEMM-chunk-done events, one per (peer block, chunk),
+  // created by its handler (gemm_rs_ce_ffi.cc).
+  std::vector<cudaEvent_t> chunk_done;
   // Held by a handler from setup to its last launch: the fork/join events, the GEMM plans and
   // the workspaces' warm-up state are shared by every call on this device, and XLA runs one
   // thread per device, but nothing stops two programs (two Python threads) from calling a

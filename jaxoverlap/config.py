@@ -40,7 +40,8 @@ class Config:
         the fused kernel and raises, naming the reason, where it cannot run. ``"xla"`` always
         runs the reference composition (XLA's own GEMM and NCCL collective).
       comm_sms: SMs given to the communication partition of the GPU (the GEMM gets the rest).
-        ``None`` picks the measured default for the shape.
+        ``0``: no partition, the copy engine moves the data (``matmul_reduce_scatter``; the
+        other ops ignore it). ``None`` picks the measured default for the shape.
       chunks: sub-chunks each rank's row block is split into, to shorten pipeline fill and
         drain. ``None`` picks the measured default.
       timeout_s: bound, in seconds, on every cross-GPU wait. A peer that does not signal within
@@ -67,9 +68,10 @@ class Config:
             raise ValueError(
                 f"jaxoverlap.Config: backend={self.backend!r} is not one of {_BACKENDS}."
             )
-        if self.comm_sms is not None and (not isinstance(self.comm_sms, int) or self.comm_sms < 1):
+        if self.comm_sms is not None and (not isinstance(self.comm_sms, int) or self.comm_sms < 0):
             raise ValueError(
-                f"jaxoverlap.Config: comm_sms={self.comm_sms!r} must be a positive int or None."
+                f"jaxoverlap.Config: comm_sms={self.comm_sms!r} must be an int >= 0 (0: the copy "
+                "engine) or None."
             )
         if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
             raise ValueError(

@@ -43,6 +43,7 @@ GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 GEMM_AR_TARGET = "jaxoverlap_gemm_ar_v1"  # the same schedule, the reduced rows gathered too
 AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
 AG_GEMM_KEEP_TARGET = "jaxoverlap_ag_gemm_keep_v1"  # also returns the gathered x
+GEMM_RS_CE_TARGET = "jaxoverlap_gemm_rs_ce_v1"  # comm_sms=0: copy-engine pushes, no partition
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
 _SUPPORTED = (jnp.bfloat16, jnp.float16)
 
@@ -394,7 +395,10 @@ def _lower_rows(target, op, ctx, x, w, params, table):
     chunks = choose_chunks(m_total // table.n, k, n_cols, config.chunks or setting[0])
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
-    comm_sms = config.comm_sms or setting[1]
+    comm_sms = config.comm_sms if config.comm_sms is not None else setting[1]
+    if comm_sms == 0:  # the copy engine: the reduce-scatter's CE handler; the AR has none
+        target = GEMM_RS_CE_TARGET if target == GEMM_RS_TARGET else target
+        comm_sms = 0 if target == GEMM_RS_CE_TARGET else DEFAULT_COMM_SMS
     kind = (target, *_operands_kind(x_aval, w_aval, params))
     attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx)
     return _ffi_call(target, ctx, x, w, params, attrs)

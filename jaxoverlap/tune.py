@@ -41,6 +41,9 @@ CACHE_VERSION = 1
 NOISE_FLOOR = 0.02  # "faster" needs at least this margin (BENCHMARKS.md timing protocol)
 # Candidate settings of the fused GEMM + reduce-scatter: sub-chunks per block x comm SMs.
 RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
+# comm_sms=0: the copy engine pushes, no SM partition (matmul_reduce_scatter only); one chunk
+# would expose the whole push (the own GEMM needs the peers' partials), so 2 and 4.
+RS_CE_CANDIDATES = ((2, 0), (4, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +203,9 @@ OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 def candidates(op):
     """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
-    if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's schedule
+    if op == "matmul_reduce_scatter":
+        return RS_CANDIDATES + RS_CE_CANDIDATES
+    if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's SM schedule
         return RS_CANDIDATES
     return tuple((c, None) for c in (1, 2, 4))
 

@@ -200,6 +200,31 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch, lowering_only):
     assert "n = 2" in call and "stall_rank = -1" in call
 
 
+@pytest.mark.parametrize("tuned_sms", [None, 0])
+def test_comm_sms_0_is_the_copy_engine_reduce_scatter(monkeypatch, lowering_only, tuned_sms):
+    """Config(comm_sms=0), or a tuner entry with comm_sms 0: the copy-engine handler; the
+    all-reduce has none and keeps its SM schedule."""
+    entry = dict(choice="fused", chunks=2, comm_sms=0, ms_xla=1.0, ms_fused=0.8)
+    monkeypatch.setattr(fused, "tuned", lambda *a: entry if tuned_sms == 0 else None)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    cfg = Config(backend="fused", comm_sms=None if tuned_sms == 0 else 0)
+
+    def body(x, w):
+        y = jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+        return y, jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
+
+    specs = (P(None, "tp"), P("tp", None))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P())))
+    x = jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 512, 384), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    (ce,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_CE_TARGET}" in ln]
+    assert "comm_sms = 0" in ce and "chunks = 2" in ce
+    (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]
+    assert f"comm_sms = {fused.DEFAULT_COMM_SMS}" in ar
+    assert f"@{fused.GEMM_RS_TARGET}" not in text
+
+
 def test_cuda_lowering_falls_back_without_peer_access(monkeypatch, lowering_only):
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: False)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))

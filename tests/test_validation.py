@@ -119,7 +119,7 @@ def test_auto_and_xla_backends_run_on_cpu():
     "kwargs,match",
     [
         (dict(backend="gpu"), r"backend='gpu' is not one of"),
-        (dict(comm_sms=0), r"comm_sms=0 must be a positive int"),
+        (dict(comm_sms=-1), r"comm_sms=-1 must be an int >= 0"),
         (dict(chunks=-1), r"chunks=-1 must be a positive int"),
         (dict(timeout_s=0), r"timeout_s=0 must be a finite number of seconds"),
         (dict(deterministic=1), r"deterministic=1 must be a bool"),

@@ -72,6 +72,28 @@ def test_values(gpus, m, k_local, n, dtype):
     _close(got, _fn(mesh, XLA)(x, w), dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_copy_engine_pushes(gpus, chunks, dtype):
+    """Config(comm_sms=0): no SM partition, the copy engine moves the partials (its own handler,
+    ffi/gemm_rs_ce_ffi.cc): values against XLA's, 2-D and 3-D x, 200 calls bitwise equal."""
+    mesh = _mesh(gpus)
+    cfg = Config(backend="fused", comm_sms=0, chunks=chunks)
+    for m, k_local, n in ((1536, 640, 896), (4096, 4096, 4096)):
+        x, w = _inputs(mesh, m, k_local, n, dtype)
+        _close(_fn(mesh, cfg)(x, w), _fn(mesh, XLA)(x, w), dtype)
+    x, w = _inputs(mesh, 384, 512, 640, dtype, batch=(4,))
+    spec = dict(x_spec=P(None, None, "tp"), out_spec=P("tp"))
+    f = _fn(mesh, cfg, **spec)
+    first = f(x, w)
+    _close(first, _fn(mesh, XLA, **spec)(x, w), dtype)
+    outs = [f(x, w) for _ in range(200)]
+    same = jax.jit(lambda a, bs: jnp.stack([jnp.array_equal(a, b) for b in bs]))
+    assert np.asarray(same(first, outs)).all()
+    hlo = f.lower(x, w).compile().as_text()
+    assert f'custom_call_target="{fused.GEMM_RS_CE_TARGET}"' in hlo
+
+
 def test_batch_dims_and_chunk_counts(gpus):
     mesh = _mesh(gpus)
     x, w = _inputs(mesh, 384, 512, 512, jnp.bfloat16, batch=(4,))
@@ -220,6 +242,9 @@ _STALL_SCRIPT = textwrap.dedent(
     cfg = jaxoverlap.Config(backend="fused", timeout_s=timeout)
     if kernel == "gemm_rs":
         f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    elif kernel == "gemm_rs_ce":  # Config(comm_sms=0): copy-engine pushes
+        cfg = jaxoverlap.Config(backend="fused", timeout_s=timeout, comm_sms=0)
+        f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
     elif kernel == "gemm_ar":
         f = lambda x, w: jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
     else:  # the standalone reduce-scatter's schedule (reduce-push at n = 2)
@@ -287,7 +312,7 @@ def _err(line):
     return float(line.split("err=")[1].split()[0])
 
 
-@pytest.mark.parametrize("kernel", ["gemm_rs", "rs"])
+@pytest.mark.parametrize("kernel", ["gemm_rs", "gemm_rs_ce", "rs"])
 def test_stalled_peer_is_reported_and_the_process_survives(gpus, kernel):
     # Rank 1 never signals (test-only knob, 1 s timeout): rank 0 gives up, its output is NaN,
     # the kernels exit (no trap); check_errors() raises naming the ranks, once; afterwards XLA's
@@ -298,7 +323,8 @@ def test_stalled_peer_is_reported_and_the_process_survives(gpus, kernel):
     assert "RAISED FusedCallError" in check and "timed out" in check, out[-3000:]
     # gemm_rs: only rank 0 waits on the stalled rank 1. Reduce-push: each rank waits on the
     # other, so whichever timed out first is named.
-    named = r"\(rank 0\).*peer rank 1" if kernel == "gemm_rs" else r"\(rank [01]\).*peer rank [01]"
+    one_way = kernel in ("gemm_rs", "gemm_rs_ce")
+    named = r"\(rank 0\).*peer rank 1" if one_way else r"\(rank [01]\).*peer rank [01]"
     assert re.search(named, check), out[-3000:]
     assert lines.get("CHECK_AGAIN", "").startswith("CHECK_AGAIN OK"), out[-3000:]
     assert lines.get("XLA", "") == "XLA OK finite=True", out[-3000:]
