@@ -199,20 +199,23 @@ def choose_chunks(m, k, n_cols, requested=None):
 
 _FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
-# The training path's kernels -- all_gather_matmul's variant that returns the gathered x, and the
-# column-parallel backward (docs/training-path.md) -- run under backend="auto" only once they
-# have run and been measured on GPUs; until then auto keeps JAX's own collectives there (what
-# plain JAX runs) and backend="fused" runs them. JAXOVERLAP_AUTO_TRAINING_PATH=1 opts auto in.
-AUTO_TRAINING_PATH = os.environ.get("JAXOVERLAP_AUTO_TRAINING_PATH") == "1"
+# Kernels that have not run on GPUs yet -- all_gather_matmul's variant that returns the gathered
+# x and the column-parallel backward (docs/training-path.md), and the copy-engine reduce-scatter
+# (Config(comm_sms=0)) -- are never picked by backend="auto" (nor tried by the tuner) until they
+# have run and been measured; backend="fused" (or comm_sms=0) runs them. Where auto would have
+# used them it keeps JAX's own collectives (what plain JAX runs).
+# JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto and the tuner in.
+AUTO_NEW_KERNELS = os.environ.get("JAXOVERLAP_AUTO_NEW_KERNELS") == "1"
 
 
-def training_path_reason():
-    """None if backend="auto" may take the training path's kernels, else why not."""
-    if AUTO_TRAINING_PATH:
+def new_kernels_reason():
+    """None if backend="auto" may take the kernels that have not run on GPUs yet (above)."""
+    if AUTO_NEW_KERNELS:
         return None
     return (
-        "backend='auto': the training path's fused kernels (the all-gather that returns x, the "
-        "column-parallel backward) have not run on GPUs yet; backend='fused' runs them"
+        "backend='auto': this fused kernel (the all-gather that returns x, or the "
+        "column-parallel backward) has not run on GPUs yet; backend='fused' runs it "
+        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it)"
     )
 
 

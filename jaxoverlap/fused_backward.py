@@ -56,7 +56,7 @@ def unsupported_reason(ct, wt, params, axis_size):
     block = rows // n * k
     if k % 8 or n_cols % 8 or block % 128:
         return f"K={k}, N={n_cols} must be multiples of 8 and rows/n x K of 128 elements"
-    if params["config"].backend == "auto" and (why := fused.training_path_reason()):
+    if params["config"].backend == "auto" and (why := fused.new_kernels_reason()):
         return why
     if params["config"].backend == "auto" and (n_cols < _AUTO_MIN_N or block < _AUTO_MIN_BLOCK):
         return (

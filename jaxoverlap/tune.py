@@ -204,7 +204,9 @@ OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 def candidates(op):
     """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
     if op == "matmul_reduce_scatter":
-        return RS_CANDIDATES + RS_CE_CANDIDATES
+        from jaxoverlap import fused
+
+        return RS_CANDIDATES + (RS_CE_CANDIDATES if fused.AUTO_NEW_KERNELS else ())
     if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's SM schedule
         return RS_CANDIDATES
     return tuple((c, None) for c in (1, 2, 4))

@@ -169,9 +169,9 @@ def _site(call):
 @pytest.mark.parametrize("opted_in", [False, True])
 def test_auto_takes_the_training_path_only_once_opted_in(lowering_only, monkeypatch, opted_in):
     """Until the training path's kernels have run on GPUs, backend="auto" keeps JAX's own
-    collectives for them (JAXOVERLAP_AUTO_TRAINING_PATH=1, fused.AUTO_TRAINING_PATH, opts in);
+    collectives for them (JAXOVERLAP_AUTO_NEW_KERNELS=1, fused.AUTO_NEW_KERNELS, opts in);
     the forward reduce-scatter stays fused either way."""
-    monkeypatch.setattr(fused, "AUTO_TRAINING_PATH", opted_in)
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", opted_in)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 
     def layer(x, w1, w2):

@@ -200,7 +200,7 @@ def register_lowerings(prim, op, reference_fn, keep_gathered=False):
                 n = math.prod(mesh.shape[a] for a in params["axis_name"])
                 reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
             if reason is None and keep_gathered and config.backend == "auto":
-                reason = fused.training_path_reason()
+                reason = fused.new_kernels_reason()
             if reason is None:
                 try:
                     return fused.lower(op, ctx, x, w, params, keep_gathered=keep_gathered)
