@@ -230,13 +230,17 @@ def unsupported_reason(op, x, w, params, axis_size):
         return f"the fused kernel supports bfloat16 and float16, not {x.dtype}"
     gather = op == "all_gather_matmul"
     dim = params.get("gather_dimension" if gather else "scatter_dimension", 0)
-    # Size-1 dimensions before the scattered/gathered one leave its blocks contiguous rows of
-    # x[..., K] ([1, S, D] sequence parallelism): the same kernel.
-    if dim != 0 and (dim >= x.ndim - 1 or math.prod(x.shape[:dim]) != 1):
+    if x.ndim < 2:
+        return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
+    # Any dimension but the last: the custom call takes x (and gives its results) with that
+    # dimension major-most (`rows_major`), so each rank's block is contiguous rows of x[..., K]
+    # ([B, S, D] split over S: sequence parallelism) -- the same kernel.
+    if dim >= x.ndim - 1:
         verb = "gathers" if gather else "scatters"
+        what = "K, which the GEMM contracts" if gather else "N, the GEMM's columns"
         return (
-            f"the fused kernel {verb} dimension 0 only, or a later one after size-1 dimensions "
-            f"(blocks of rows of x[..., K]); dimension {dim} of x{tuple(x.shape)} is not"
+            f"the fused kernel {verb} blocks of rows of x[..., K]; dimension {dim} of "
+            f"x{tuple(x.shape)} is {what}"
         )
     n = int(axis_size)
     if not 2 <= n <= topology.MAX_GROUP:
@@ -245,8 +249,6 @@ def unsupported_reason(op, x, w, params, axis_size):
     m_total = _rows(x.shape)
     if k % 8 or n_cols % 8:
         return f"K={k} and N={n_cols} must be multiples of 8"
-    if x.ndim < 2:
-        return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
     if m_total == 0:
         return "x has no rows"
     if not gather and x.shape[dim] % n:
@@ -349,14 +351,30 @@ def _operands_kind(x_aval, w_aval, params):
     return (tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype), bool(params["w_colmajor"]))
 
 
+def rows_major(ndim, dim):
+    """The minor-to-major layout that puts dimension ``dim`` major-most and keeps the others in
+    order (row-major for ``dim`` 0): the gathered/scattered dimension's blocks are then
+    contiguous rows of ``[..., K]``. XLA transposes to and from it where the producer or consumer
+    cannot take it as is (an elementwise producer writes any layout for free)."""
+    return tuple(i for i in reversed(range(ndim)) if i != dim) + (dim,)
+
+
+def row_dim(params):
+    """The gathered/scattered dimension of an op's params (0 for the all-reduce)."""
+    return params.get("gather_dimension", params.get("scatter_dimension", 0))
+
+
 def _ffi_call(target, ctx, x, w, params, attrs):
-    """The custom call, with w's layout: column-major when ``params["w_colmajor"]`` (w is the
-    transpose of a row-major array: XLA then passes that array as is, and the kernel reads it
-    as cuBLASLt's transposed operand), else row-major like every other operand."""
+    """The custom call, x and its results with the gathered/scattered dimension major-most
+    (`rows_major`), w column-major when ``params["w_colmajor"]`` (w is the transpose of a
+    row-major array: XLA then passes that array as is, and the kernel reads it as cuBLASLt's
+    transposed operand), else row-major."""
     colmajor = bool(params["w_colmajor"])
     x_aval = ctx.avals_in[0]
-    layouts = [tuple(reversed(range(x_aval.ndim))), (0, 1) if colmajor else (1, 0)]
-    lowering = jax.ffi.ffi_lowering(target, operand_layouts=layouts)
+    d = row_dim(params)
+    layouts = [rows_major(x_aval.ndim, d), (0, 1) if colmajor else (1, 0)]
+    results = [rows_major(a.ndim, d if a.ndim == x_aval.ndim else 0) for a in ctx.avals_out]
+    lowering = jax.ffi.ffi_lowering(target, operand_layouts=layouts, result_layouts=results)
     return lowering(ctx, x, w, profile=_profile.get(), w_colmajor=int(colmajor), **attrs)
 
 

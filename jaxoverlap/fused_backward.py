@@ -41,10 +41,10 @@ def unsupported_reason(ct, wt, params, axis_size):
     if ct.dtype != wt.dtype or not any(ct.dtype == np.dtype(t) for t in fused._SUPPORTED):
         return f"the fused kernel supports bfloat16 and float16, not {ct.dtype}"
     d = params["scatter_dimension"]
-    if d >= ct.ndim - 1 or math.prod(ct.shape[:d]) != 1:
+    if d >= ct.ndim - 1:  # other dimensions: major-most in the call's layout (fused.rows_major)
         return (
             f"the fused backward scatters blocks of rows of ct[..., N]; dimension {d} of "
-            f"ct{tuple(ct.shape)} is not"
+            f"ct{tuple(ct.shape)} is N"
         )
     n = int(axis_size)
     if not 2 <= n <= topology.MAX_GROUP:
@@ -76,12 +76,15 @@ def lower(ctx, ct, wt, g, *e, params):
     kind = (target, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
     attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx)
     colmajor = bool(params["w_colmajor"])
-    row_major = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731
-    layouts = [row_major(ct_aval), (0, 1) if colmajor else (1, 0), row_major(g_aval)]
-    layouts += [row_major(a) for a in ctx.avals_in[3:]]
+    d = params["scatter_dimension"]
+    major = lambda a: fused.rows_major(a.ndim, d)  # noqa: E731  (blocks of rows contiguous)
+    layouts = [major(ct_aval), (0, 1) if colmajor else (1, 0), major(g_aval)]
+    layouts += [major(a) for a in ctx.avals_in[3:]]
     rows = math.prod(ct_aval.shape[:-1])
     scratch = core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype)
-    call = jax.ffi.ffi_lowering(target, operand_layouts=layouts)
+    dx_aval = ctx.avals_out[0]
+    result_layouts = [major(dx_aval), (1, 0), (1, 0)]  # dx, dW, the scratch
+    call = jax.ffi.ffi_lowering(target, operand_layouts=layouts, result_layouts=result_layouts)
     inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
     results = call(
         inner, ct, wt, g, *e, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs

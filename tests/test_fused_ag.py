@@ -37,8 +37,10 @@ def test_reasons(native_ok):
     assert "alignment" in _reason((24, 8), (8, 8), backend="fused")
     assert "alignment" in _reason((512, 512), (512, 768), backend="fused", chunks=3)
     assert "outside 2..8" in _reason((512, 512), (512, 768), n=16, backend="fused")
-    assert "gathers dimension 0 only" in _reason((4, 384, 512), (512, 512), dim=1)
+    # any dimension but K: major-most in the custom call's layout ([B, S, D] split over S)
+    assert _reason((4, 384, 512), (512, 512), dim=1, backend="fused") is None
     assert _reason((1, 384, 512), (512, 512), dim=1, backend="fused") is None  # [1, S, D]
+    assert "is K, which the GEMM contracts" in _reason((4, 384, 64), (128, 512), dim=2)
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
 
@@ -60,11 +62,12 @@ def test_public_function_raises_with_the_reason(native_ok):
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 
     def body(x, w):
-        return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=1, config=FUSED)
+        return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=2, config=FUSED)
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(None, "tp"))
+    specs = (P(None, None, "tp"), P())
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
     x = jnp.zeros((4, 256, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="gathers dimension 0 only"):
+    with pytest.raises(ValueError, match="is K, which the GEMM contracts"):
         jax.jit(f).trace(x, jnp.zeros((64, 128), jnp.bfloat16))
 
 
@@ -191,3 +194,32 @@ def test_auto_takes_the_training_path_only_once_opted_in(lowering_only, monkeypa
     assert all((f"@{t}" in text) == opted_in for t in training), text.count("@jaxoverlap")
     assert len(_calls(text, fused.GEMM_RS_TARGET)) == 1
     assert ("all_gather" in text) != opted_in
+
+
+def test_middle_dimension_is_major_most_in_the_calls_layout(lowering_only):
+    """[B, S, D] split over S (sequence parallelism with a batch): every fused call of the
+    training step takes x, the cotangent and the gathered x -- and gives its results -- with S
+    major-most, so each rank's block is contiguous rows (XLA transposes where needed)."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def layer(x, w1, w2):
+        h = jaxoverlap.all_gather_matmul(x, w1, "tp", gather_dimension=1, config=FUSED)
+        return jaxoverlap.matmul_reduce_scatter(h, w2, "tp", scatter_dimension=1, config=FUSED)
+
+    def loss(x, w1, w2):
+        specs = (P(None, "tp"), P(None, "tp"), P("tp", None))
+        y = jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))(x, w1, w2)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    x = jax.ShapeDtypeStruct((4, 2 * 256, 512), jnp.bfloat16)
+    w1 = jax.ShapeDtypeStruct((512, 2 * 384), jnp.bfloat16)
+    w2 = jax.ShapeDtypeStruct((2 * 384, 512), jnp.bfloat16)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w1, w2)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    s_major = "dense<[2, 0, 1]> : tensor<3xindex>"
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jaxoverlap_" in ln]
+    assert len(calls) == 4, calls  # keep (fwd), RS (fwd), keep (bwd of RS), backward of AG
+    for call in calls:
+        operands, results = call.split("operand_layouts = ")[1].split("result_layouts = ")
+        assert operands.count(s_major) >= 1 and results.count(s_major) >= 1, call
+    assert "all_gather" not in text and "reduce_scatter" not in text

@@ -148,7 +148,7 @@ def test_explain_summary_and_verbose_false_folds_fsdp_gathers(capsys):
 
 def test_explain_path_comes_from_the_fused_module(monkeypatch):
     """With the native extension reported available, the path is what `fused` decides for the
-    op's own operands: a reduce-scatter over a middle dimension runs the reference path."""
+    op's own operands: a reduce-scatter over the last dimension (N) runs the reference path."""
     from jaxoverlap import runtime
 
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
@@ -157,10 +157,10 @@ def test_explain_path_comes_from_the_fused_module(monkeypatch):
                   jnp.bfloat16)  # fmt: skip
     specs = (P(None, None, "tp"), P("tp", None))
     f = jax.shard_map(
-        lambda x, w: _rs(x @ w, 1), mesh=mesh, in_specs=specs, out_specs=P(None, "tp")
+        lambda x, w: _rs(x @ w, 2), mesh=mesh, in_specs=specs, out_specs=P(None, None, "tp")
     )
     (c,) = explain(f, x, w)
     assert c.rewritten, c
-    assert c.path.startswith("reference: the fused kernel scatters dimension 0 only"), c.path
+    assert c.path.startswith("reference: the fused kernel scatters blocks of rows"), c.path
     (c,) = explain(overlap(f, config=jaxoverlap.Config(backend="xla")), x, w)
     assert c.path == "reference: backend='xla'", c.path
