@@ -36,27 +36,15 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   const int op_code = all_reduce ? kOpGemmAr : kOpGemmRs;
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
-  DType dtype;
-  if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
-      out->element_type() != x.element_type())
-    return invalid(kWhat, "x, w and the result must all be bfloat16 or all float16");
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[0])
-    return invalid(kWhat, "expected x[..., K] and w[K, N]");
-  const int64_t K = wd[0], N = wd[1];
-  const int64_t M = K ? (int64_t)x.element_count() / K : 0;
+  RowGemm g;
+  if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/false, &g); !e.empty())
+    return invalid(kWhat, e);
+  const DType dtype = g.dtype;
+  const int64_t K = g.K, N = g.N, M = g.rows, m = g.m, mc = g.mc;
   const int64_t elt = 2;
-  if (M % n || (int64_t)out->element_count() != (all_reduce ? M : M / n) * N)
+  if ((int64_t)out->element_count() != (all_reduce ? M : m) * N)
     return invalid(kWhat, all_reduce ? "result size is not rows x N"
                                      : "result size is not (rows / group size) x N");
-  const int64_t m = M / n;
-  if (chunks < 1 || chunks > kMaxChunks || m % chunks)
-    return invalid(kWhat, "chunks must divide the rows per rank and be at most 16");
-  const int64_t mc = m / chunks;
-  if ((mc * K * elt) % 256 || (mc * N * elt) % 256)
-    return invalid(kWhat, "rows per chunk x K and rows per chunk x N must be multiples of 128 "
-                          "elements (256-byte alignment of every GEMM operand)");
   int rank = -1;
   std::vector<int> group;
   if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())

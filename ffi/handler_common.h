@@ -101,6 +101,39 @@ inline bool to_dtype(ffi::DataType t, DType* out) {
   return true;
 }
 
+// The GEMM of a handler over blocks of rows, validated alike everywhere: x[..., K] and w[K, N]
+// (bf16 or f16; `out` of the same type), `rows` = x's rows, `m` = the rows of one rank's block
+// (rows / n, or, `gather`, x's own rows), `chunks` chunks of `mc` rows whose operands all stay
+// 256-byte aligned. Returns "" or what is wrong; the caller checks its results' sizes.
+struct RowGemm {
+  DType dtype;
+  int64_t K, N, rows, m, mc;
+};
+inline std::string row_gemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                            const ffi::AnyBuffer& out, int64_t n, int64_t chunks, bool gather,
+                            RowGemm* g) {
+  if (!to_dtype(x.element_type(), &g->dtype) || w.element_type() != x.element_type() ||
+      out.element_type() != x.element_type())
+    return "x, w and the result must all be bfloat16 or all float16";
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[0])
+    return "expected x[..., K] and w[K, N]";
+  g->K = wd[0];
+  g->N = wd[1];
+  g->rows = g->K ? (int64_t)x.element_count() / g->K : 0;
+  if (!gather && g->rows % n) return "the rows of x are not divisible by the group size";
+  g->m = gather ? g->rows : g->rows / n;
+  if (g->m < 1) return "x has no rows";
+  if (chunks < 1 || chunks > kMaxChunks || g->m % chunks)
+    return "chunks must divide the rows per rank and be at most 16";
+  g->mc = g->m / chunks;
+  if ((g->mc * g->K * 2) % 256 || (g->mc * g->N * 2) % 256)
+    return "rows per chunk x K and rows per chunk x N must be multiples of 128 elements "
+           "(256-byte alignment of every GEMM operand)";
+  return "";
+}
+
 // Preloads our kernels on this device once (lazy module loading can deadlock a spinning
 // consumer against a producer that is not loaded yet).
 inline std::string preload(DeviceRuntime* dev) {
