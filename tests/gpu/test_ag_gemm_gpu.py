@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import Config, fused, fused_backward
+
+from .scripts import run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -305,18 +303,7 @@ _STALL_SCRIPT = textwrap.dedent(
 
 
 def _stall(fault):
-    t0 = time.time()
-    p = subprocess.run(
-        [sys.executable, "-c", _STALL_SCRIPT, fault],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    out = p.stdout + p.stderr
-    assert time.time() - t0 < 180
-    lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines() if " OK" in ln or " RAISED" in ln}
-    return out, lines
+    return run_script(_STALL_SCRIPT, fault, only_results=True)
 
 
 def _err(line):

@@ -4,11 +4,6 @@ reduce-scatters dx beside dW's GEMM (ffi/bulk_ffi.cc)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxoverlap
 from jaxoverlap import Config, fused, fused_backward
 
+from .scripts import run_script
 from .test_ag_gemm_gpu import assert_w_transposes_are_free
 
 pytestmark = pytest.mark.gpu
@@ -233,17 +229,7 @@ def test_stalled_peer_in_the_backward_is_reported(gpus):
     """Rank 1 never signals its pushes of dx's blocks (test-only knob, 1 s timeout): rank 0
     gives up with NaN in its dx, check_errors() names the op, rank and peer, and the next
     training step on the same GPUs is right."""
-    t0 = time.time()
-    p = subprocess.run(
-        [sys.executable, "-c", _STALL],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    out = p.stdout + p.stderr
-    assert time.time() - t0 < 180
-    lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines()}
+    out, lines = run_script(_STALL)
     assert "rank0_nan=True" in lines.get("STALLED", ""), out[-3000:]
     check = lines.get("CHECK", "")
     assert "dgrad reduce-scatter" in check and "(rank 0)" in check, out[-3000:]
