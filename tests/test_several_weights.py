@@ -11,7 +11,7 @@ from harness import GRAD_TOL, TOL, P, assert_close, make_mesh, place, random
 from jax import lax
 
 import jaxoverlap
-from jaxoverlap import Config, fused_backward
+from jaxoverlap import Config, fused, fused_backward
 
 F32 = jnp.float32
 WIDTHS = (12, 20, 8)  # per-device N of each weight
@@ -83,10 +83,12 @@ def test_values_and_gradients(d, backend):
         assert_close(a, b, GRAD_TOL[F32])
 
 
-def test_training_gathers_once_and_scatters_once_without_concatenating():
+@pytest.mark.parametrize("new_kernels", [True, False])
+def test_training_gathers_once_and_scatters_once_without_concatenating(monkeypatch, new_kernels):
     """One gather (the variant returning x) and one reduce-scatter (the backward op, with the
-    other weights' share of dx as its addend) -- what plain JAX communicates -- and no weight
-    concatenated or gradient split."""
+    other weights' share of dx as its addend; or, before the new kernels are allowed under auto,
+    XLA's) -- what plain JAX communicates -- and no weight concatenated or gradient split."""
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", new_kernels)
     mesh, (x, *ws), x_spec, w_spec = _setup(0)
 
     def grad(f):
@@ -95,9 +97,13 @@ def test_training_gathers_once_and_scatters_once_without_concatenating():
 
     ours, plain = _count(grad(_ours(0)), x, ws), _count(grad(_ref(0)), x, ws)
     assert plain.get("all_gather") == plain.get("reduce_scatter") == 1, plain
-    assert ours.get("all_gather_matmul_keep") == ours.get("all_gather_matmul_backward") == 1, ours
-    for name in ("all_gather", "reduce_scatter", "psum", "concatenate", "slice"):
+    assert ours.get("all_gather_matmul_keep") == 1, ours
+    assert ours.get("all_gather_matmul_backward", 0) == int(new_kernels), ours
+    assert ours.get("reduce_scatter", 0) == int(not new_kernels), ours
+    for name in ("all_gather", "psum", "concatenate", "slice", "matmul_reduce_scatter"):
         assert ours.get(name, 0) == 0, (name, ours)
+    if not new_kernels:
+        return
     jaxpr = jax.make_jaxpr(grad(_ours(0)))(x, ws)
     (bwd,) = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "all_gather_matmul_backward"]
     assert len(bwd.invars) == 4  # ct, w.T, gathered x, and the other weights' share of dx

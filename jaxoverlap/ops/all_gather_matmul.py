@@ -10,7 +10,7 @@ from jax import lax
 from jax._src import core
 from jax.interpreters import ad, batching, mlir
 
-from jaxoverlap import reference
+from jaxoverlap import fused, reference
 from jaxoverlap.ops import _common
 
 OP = "all_gather_matmul"
@@ -245,7 +245,10 @@ def _tangent_transpose(cts, dx, dw, g, w, *, gather_dimension, with_gathered, **
         dx_ct = scatter(extra[0], tiled=True) if extra else zero[0]
         return [dx_ct if undefined[0] else None, zero[1], None, None]
     wt, params = _common.transposed_w(w, params)
-    if gather_dimension < ct.ndim - 1:
+    # Until the backward op has run on GPUs, auto keeps the sibling matmul_reduce_scatter for dx
+    # (fused where it wins, as before) and a plain GEMM for dW (fused.new_kernels_reason).
+    sibling = params["config"].backend == "auto" and fused.new_kernels_reason() is not None
+    if gather_dimension < ct.ndim - 1 and not sibling:
         from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
 
         params = {**params, "scatter_dimension": gather_dimension}
@@ -253,9 +256,12 @@ def _tangent_transpose(cts, dx, dw, g, w, *, gather_dimension, with_gathered, **
     else:
         from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
 
-        dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
-        if extra:
-            dx_ct = dx_ct + scatter(extra[0], tiled=True)
+        if extra:  # one reduce-scatter for both, as plain JAX (XLA's)
+            dx_ct = scatter(jnp.matmul(ct, wt) + extra[0], tiled=True)
+        else:
+            dx_ct = matmul_reduce_scatter_p.bind(
+                ct, wt, scatter_dimension=gather_dimension, **params
+            )
         dw_ct = _common.contract_leading(g, ct)
     return [dx_ct if undefined[0] else None, dw_ct if undefined[1] else None, None, None]
 
