@@ -107,8 +107,9 @@ def _abstract_eval(x, w, *, axis_name, gather_dimension, config, w_colmajor):
 all_gather_matmul_p.def_abstract_eval(_abstract_eval)
 
 # The variant that also returns the gathered x: the forward of a layer whose weight is trained
-# (dW = gathered^T @ ct needs it, as plain JAX keeps its all_gather's result), and the backward
-# of matmul_reduce_scatter (ct gathered once for dx and dW). Internal: only autodiff binds it.
+# (dW = gathered^T @ ct needs it, as plain JAX keeps its all_gather's result), the backward of
+# matmul_reduce_scatter (ct gathered once for dx and dW), and all_gather_matmul with several
+# weights (the others multiply the gathered x). Internal: bound by this module only.
 all_gather_matmul_keep_p = core.Primitive(OP + "_keep")
 all_gather_matmul_keep_p.multiple_results = True
 
