@@ -186,7 +186,7 @@ def _tangent_jvp(primals, tangents, **params):
 
 
 def _tangent_batch(args, dims, **params):
-    return jax.vmap(partial(_tangent_reference, **params), in_axes=dims)(*args), 0
+    return jax.vmap(partial(_tangent_reference, **params), in_axes=tuple(dims))(*args), 0
 
 
 ad.defbilinear(matmul_reduce_scatter_p, _transpose_x, _transpose_w)
