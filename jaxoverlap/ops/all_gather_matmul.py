@@ -203,7 +203,7 @@ def _keep_batch(args, dims, **params):
         axis = params["gather_dimension"]
         return out, lax.all_gather(x, params["axis_name"], axis=axis, tiled=True)
 
-    return jax.vmap(both, in_axes=dims)(*args), (0, 0)
+    return jax.vmap(both, in_axes=tuple(dims))(*args), (0, 0)
 
 
 # The tangent with tangents on both x and w, ``all_gather(dx) @ w + g @ dw`` (g: the gathered x)
