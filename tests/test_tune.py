@@ -102,3 +102,13 @@ def test_tuning_needs_gpus():
         pytest.skip("GPU machine: tests/gpu measures for real")
     with pytest.raises(RuntimeError, match="needs 2 GPUs"):
         tune.tune_op("matmul_reduce_scatter", 4096, 4096, 4096, 2)
+
+
+def test_copy_engine_candidates_only_once_new_kernels_are_allowed(monkeypatch):
+    from jaxoverlap import fused
+
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    assert all(sms != 0 for _, sms in tune.candidates("matmul_reduce_scatter"))
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    assert (2, 0) in tune.candidates("matmul_reduce_scatter")
+    assert all(sms != 0 for _, sms in tune.candidates("matmul_all_reduce"))  # no CE handler
