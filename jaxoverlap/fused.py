@@ -242,6 +242,9 @@ def unsupported_reason(op, x, w, params, axis_size):
             f"the fused kernel {verb} blocks of rows of x[..., K]; dimension {dim} of "
             f"x{tuple(x.shape)} is {what}"
         )
+    if math.prod(x.shape[:dim]) != 1 and params["config"].backend == "auto":
+        if why := new_kernels_reason():  # the layout below has not run on GPUs yet
+            return f"{why} (dimension {dim} of x{tuple(x.shape)} through a {dim}-major layout)"
     n = int(axis_size)
     if not 2 <= n <= topology.MAX_GROUP:
         return f"group size {n} is outside 2..{topology.MAX_GROUP}"
@@ -351,11 +354,15 @@ def _operands_kind(x_aval, w_aval, params):
     return (tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype), bool(params["w_colmajor"]))
 
 
-def rows_major(ndim, dim):
-    """The minor-to-major layout that puts dimension ``dim`` major-most and keeps the others in
-    order (row-major for ``dim`` 0): the gathered/scattered dimension's blocks are then
-    contiguous rows of ``[..., K]``. XLA transposes to and from it where the producer or consumer
-    cannot take it as is (an elementwise producer writes any layout for free)."""
+def rows_major(shape, dim):
+    """The minor-to-major layout that puts dimension ``dim`` of ``shape`` major-most and keeps
+    the others in order: the gathered/scattered dimension's blocks are then contiguous rows of
+    ``[..., K]``. Row-major where that is already so (``dim`` 0, or only size-1 dimensions
+    before it). XLA transposes to and from it where the producer or consumer cannot take it as
+    is (an elementwise producer writes any layout for free)."""
+    ndim = len(shape)
+    if math.prod(shape[:dim]) == 1:
+        return tuple(reversed(range(ndim)))
     return tuple(i for i in reversed(range(ndim)) if i != dim) + (dim,)
 
 
@@ -372,8 +379,8 @@ def _ffi_call(target, ctx, x, w, params, attrs):
     colmajor = bool(params["w_colmajor"])
     x_aval = ctx.avals_in[0]
     d = row_dim(params)
-    layouts = [rows_major(x_aval.ndim, d), (0, 1) if colmajor else (1, 0)]
-    results = [rows_major(a.ndim, d if a.ndim == x_aval.ndim else 0) for a in ctx.avals_out]
+    layouts = [rows_major(x_aval.shape, d), (0, 1) if colmajor else (1, 0)]
+    results = [rows_major(a.shape, d if a.ndim == x_aval.ndim else 0) for a in ctx.avals_out]
     lowering = jax.ffi.ffi_lowering(target, operand_layouts=layouts, result_layouts=results)
     return lowering(ctx, x, w, profile=_profile.get(), w_colmajor=int(colmajor), **attrs)
 
@@ -417,6 +424,8 @@ def _lower_rows(target, op, ctx, x, w, params, table):
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)
     comm_sms = config.comm_sms if config.comm_sms is not None else setting[1]
+    if comm_sms == 0 and config.comm_sms is None and new_kernels_reason():
+        comm_sms = DEFAULT_COMM_SMS  # a tuner entry from an opted-in run; not allowed now
     if comm_sms == 0:  # the copy engine: the reduce-scatter's CE handler; the AR has none
         target = GEMM_RS_CE_TARGET if target == GEMM_RS_TARGET else target
         comm_sms = 0 if target == GEMM_RS_CE_TARGET else DEFAULT_COMM_SMS

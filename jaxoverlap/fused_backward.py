@@ -77,7 +77,7 @@ def lower(ctx, ct, wt, g, *e, params):
     attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx)
     colmajor = bool(params["w_colmajor"])
     d = params["scatter_dimension"]
-    major = lambda a: fused.rows_major(a.ndim, d)  # noqa: E731  (blocks of rows contiguous)
+    major = lambda a: fused.rows_major(a.shape, d)  # noqa: E731  (blocks of rows contiguous)
     layouts = [major(ct_aval), (0, 1) if colmajor else (1, 0), major(g_aval)]
     layouts += [major(a) for a in ctx.avals_in[3:]]
     rows = math.prod(ct_aval.shape[:-1])

@@ -199,10 +199,14 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch, lowering_only):
     assert "n = 2" in call and "stall_rank = -1" in call
 
 
-@pytest.mark.parametrize("tuned_sms", [None, 0])
-def test_comm_sms_0_is_the_copy_engine_reduce_scatter(monkeypatch, lowering_only, tuned_sms):
-    """Config(comm_sms=0), or a tuner entry with comm_sms 0: the copy-engine handler; the
-    all-reduce has none and keeps its SM schedule."""
+@pytest.mark.parametrize("tuned_sms,new_kernels", [(None, False), (0, True), (0, False)])
+def test_comm_sms_0_is_the_copy_engine_reduce_scatter(
+    monkeypatch, lowering_only, tuned_sms, new_kernels
+):
+    """Config(comm_sms=0), or a tuner entry with comm_sms 0 once new kernels are allowed: the
+    copy-engine handler; the all-reduce has none and keeps its SM schedule. A tuner entry with
+    comm_sms 0 while they are not allowed: the SM schedule's default."""
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", new_kernels)
     entry = dict(choice="fused", chunks=2, comm_sms=0, ms_xla=1.0, ms_fused=0.8)
     monkeypatch.setattr(fused, "tuned", lambda *a: entry if tuned_sms == 0 else None)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -217,6 +221,11 @@ def test_comm_sms_0_is_the_copy_engine_reduce_scatter(monkeypatch, lowering_only
     x = jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2 * 512, 384), jnp.bfloat16)
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    if tuned_sms == 0 and not new_kernels:
+        assert f"@{fused.GEMM_RS_CE_TARGET}" not in text
+        (rs,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}(" in ln]
+        assert f"comm_sms = {fused.DEFAULT_COMM_SMS}" in rs
+        return
     (ce,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_CE_TARGET}" in ln]
     assert "comm_sms = 0" in ce and "chunks = 2" in ce
     (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]

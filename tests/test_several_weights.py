@@ -164,3 +164,37 @@ def test_bad_input():
     )
     with pytest.raises(ValueError, match="contracting dimensions differ"):
         jax.jit(g).trace(x, ws[0])
+
+
+@pytest.mark.parametrize("trained", ["weights", "x_and_narrow_weights", "x_only"])
+def test_partial_training_communicates_as_plain_jax(trained):
+    """Only the weights trained (x is data), or the widest weight frozen, or every weight
+    frozen: values equal plain JAX's, and no more collectives than plain JAX's backward."""
+    mesh, (x, *ws), x_spec, w_spec = _setup(0)
+    lead = int(np.argmax(WIDTHS))
+
+    def loss(f):
+        g = _fn(mesh, x_spec, w_spec, f)
+
+        def total(x, trainable):
+            full = [trainable.get(i, w) for i, w in enumerate(ws)]
+            return sum(jnp.sum(jnp.sin(y)) for y in g(x, full))
+
+        return total
+
+    if trained == "weights":
+        trainable, argnums = {i: w for i, w in enumerate(ws)}, 1
+    elif trained == "x_and_narrow_weights":
+        trainable, argnums = {i: w for i, w in enumerate(ws) if i != lead}, (0, 1)
+    else:
+        trainable, argnums = {}, 0
+    ours = jax.grad(loss(_ours(0)), argnums=argnums)
+    plain = jax.grad(loss(_ref(0)), argnums=argnums)
+    got, want = jax.jit(ours)(x, trainable), jax.jit(plain)(x, trainable)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(a, b, GRAD_TOL[F32])
+    c_ours, c_plain = _count(ours, x, trainable), _count(plain, x, trainable)
+    scatters = ("reduce_scatter", "matmul_reduce_scatter", "all_gather_matmul_backward")
+    assert sum(c_ours.get(s, 0) for s in scatters) == c_plain.get("reduce_scatter", 0), c_ours
+    gathers = ("all_gather", "all_gather_matmul", "all_gather_matmul_keep")
+    assert sum(c_ours.get(s, 0) for s in gathers) == c_plain.get("all_gather", 0), c_ours

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 from jax._src import core
 from jax._src import mesh as mesh_lib
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 
 from jaxoverlap import fused
 from jaxoverlap.config import DEFAULT, Config
@@ -250,11 +250,20 @@ def batch_rule(bind, dim_name):
     return rule
 
 
+def zero_tangent(value):
+    """The symbolic zero tangent of ``value`` (jax 0.11 and 0.12)."""
+    return ad.Zero(core.typeof(value).to_tangent_aval())
+
+
 def transposed_w(w, params):
     """``w.T`` for the backward's ``ct @ w.T`` and the params that say how it is stored: the
     transpose of a row-major w is column-major, so the fused kernel reads it in place (cuBLASLt's
     transposed operand) and XLA makes the transpose a bitcast instead of materialising it
-    (70B-class gate/up weight: 470 MB per step)."""
+    (70B-class gate/up weight: 470 MB per step). Under backend="auto" only once the new kernels
+    are allowed (`fused.new_kernels_reason`): the fused ops have not run with it on GPUs yet,
+    so auto keeps the materialised transpose they ran with."""
+    if params["config"].backend == "auto" and fused.new_kernels_reason():
+        return jnp.transpose(w), {**params, "w_colmajor": False}
     return jnp.transpose(w), {**params, "w_colmajor": not params["w_colmajor"]}
 
 

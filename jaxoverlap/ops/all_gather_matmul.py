@@ -82,9 +82,10 @@ def _several(x, ws, axis_name, gather_dimension, config):
         gathered = lax.all_gather(x, names, axis=d, tiled=True)
         return tuple(jnp.matmul(gathered, w) for w in ws)
     ws = list(ws)
+    for i in range(len(ws)):  # x varies over the union of the weights' axes; each weight too
+        x, ws[i] = _common.vary_operands(x, ws[i], names)
     for i in range(len(ws)):
-        x_i, ws[i] = _common.vary_operands(x, ws[i], names)
-    x = x_i
+        x, ws[i] = _common.vary_operands(x, ws[i], names)
     out, gathered = all_gather_matmul_keep_p.bind(x, ws[lead], **params)
     return tuple(out if i == lead else jnp.matmul(gathered, w) for i, w in enumerate(ws))
 
@@ -164,35 +165,31 @@ def _jvp(primals, tangents, **params):
     if type(dw) is ad.Zero:
         out = all_gather_matmul_p.bind(x, w, **params)
         if type(dx) is ad.Zero:
-            return out, ad.Zero.from_primal_value(out)
+            return out, _common.zero_tangent(out)
         return out, all_gather_matmul_p.bind(dx, w, **params)
     out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
     if type(dx) is ad.Zero:
         return out, jnp.matmul(gathered, dw)
     bind = all_gather_matmul_tangent_p.bind
-    (out_dot,) = bind(dx, dw, gathered, w, with_gathered=False, **params)
+    (out_dot,) = bind(dx, dw, gathered, w, with_dw=True, with_gathered=False, **params)
     return out, out_dot
 
 
 def _keep_jvp(primals, tangents, **params):
-    """The variant's tangents: the op's, and the gathered dx -- with tangents on both x and w,
-    one `all_gather_matmul_tangent_p` for both, so that the cotangents of the product and of the
+    """The variant's tangents: the op's, and the gathered dx -- with a tangent on x, one
+    `all_gather_matmul_tangent_p` for both, so that the cotangents of the product and of the
     gathered x (when it fed other matmuls: several weights, `all_gather_matmul(x, [w0, w1])`)
-    reach ONE reduce-scatter, beside dW's GEMM."""
+    reach ONE reduce-scatter (beside dW's GEMM when w is trained)."""
     x, w = primals
     dx, dw = tangents
     out, gathered = all_gather_matmul_keep_p.bind(x, w, **params)
     zx, zw = type(dx) is ad.Zero, type(dw) is ad.Zero
-    if not zx and not zw:
-        dots = all_gather_matmul_tangent_p.bind(dx, dw, gathered, w, with_gathered=True, **params)
-        return (out, gathered), tuple(dots)
     if zx:
-        g_dot = ad.Zero.from_primal_value(gathered)
-        out_dot = ad.Zero.from_primal_value(out) if zw else jnp.matmul(gathered, dw)
-    else:  # frozen w: the op for the product's tangent
-        g_dot = lax.all_gather(dx, params["axis_name"], axis=params["gather_dimension"], tiled=True)
-        out_dot = all_gather_matmul_p.bind(dx, w, **params)
-    return (out, gathered), (out_dot, g_dot)
+        out_dot = _common.zero_tangent(out) if zw else jnp.matmul(gathered, dw)
+        return (out, gathered), (out_dot, _common.zero_tangent(gathered))
+    operands = (dx, gathered, w) if zw else (dx, dw, gathered, w)
+    dots = all_gather_matmul_tangent_p.bind(*operands, with_dw=not zw, with_gathered=True, **params)
+    return (out, gathered), tuple(dots)
 
 
 def _keep_batch(args, dims, **params):
@@ -206,22 +203,29 @@ def _keep_batch(args, dims, **params):
     return jax.vmap(both, in_axes=tuple(dims))(*args), (0, 0)
 
 
-# The tangent with tangents on both x and w, ``all_gather(dx) @ w + g @ dw`` (g: the gathered x)
-# -- and, ``with_gathered``, ``all_gather(dx)`` itself -- as a linear primitive of (dx, dw): its
-# transpose is one op computing dx's reduce-scatter and dW's GEMM together, so the collective
-# hides behind dW's GEMM. Internal.
+# The tangent ``all_gather(dx) @ w + g @ dw`` (g: the gathered x; the second term only
+# ``with_dw``) -- and, ``with_gathered``, ``all_gather(dx)`` itself -- as a linear primitive of
+# (dx[, dw]) with operands (dx, [dw,] g, w): its transpose gathers nothing and scatters dx's
+# cotangent once; with dw, in one op with dW's GEMM, so the collective hides behind it. Internal.
 all_gather_matmul_tangent_p = core.Primitive(OP + "_tangent")
 all_gather_matmul_tangent_p.multiple_results = True
 
 
-def _tangent_reference(dx, dw, g, w, *, axis_name, gather_dimension, with_gathered, **params):
+def _split(args, with_dw):
+    """(dx, dw or None, g, w) from the tangent primitive's operands."""
+    return args if with_dw else (args[0], None, *args[1:])
+
+
+def _tangent_reference(*args, axis_name, gather_dimension, with_gathered, with_dw, **params):
     del params
+    dx, dw, g, w = _split(args, with_dw)
     g_dot = lax.all_gather(dx, axis_name, axis=gather_dimension, tiled=True)
-    out_dot = jnp.matmul(g_dot, w) + jnp.matmul(g, dw)
+    out_dot = jnp.matmul(g_dot, w) + (jnp.matmul(g, dw) if with_dw else 0)
     return (out_dot, g_dot) if with_gathered else (out_dot,)
 
 
-def _tangent_abstract_eval(dx, dw, g, w, *, with_gathered, **params):
+def _tangent_abstract_eval(*args, with_gathered, with_dw, **params):
+    dx, _, g, w = _split(args, with_dw)
     out = _abstract_eval(dx, w, **params)
     return (out, g.update(manual_axis_type=out.mat)) if with_gathered else (out,)
 
@@ -232,39 +236,44 @@ mlir.register_lowering(
 )
 
 
-def _tangent_transpose(cts, dx, dw, g, w, *, gather_dimension, with_gathered, **params):
-    """(dx, dW) = (psum_scatter(ct @ w.T + ct_g), g.T @ ct): one op where it scatters rows, which
-    runs the reduce-scatter beside dW's GEMM on GPUs (`jaxoverlap.ops.dgrad_rs_wgrad`); else the
-    sibling matmul_reduce_scatter and a plain GEMM. ct_g: the gathered dx's cotangent."""
+def _tangent_transpose(cts, *args, gather_dimension, with_gathered, with_dw, **params):
+    """(dx, dW) = (psum_scatter(ct @ w.T + ct_g), g.T @ ct): one op where it scatters rows and
+    dW is wanted, which runs the reduce-scatter beside dW's GEMM on GPUs
+    (`jaxoverlap.ops.dgrad_rs_wgrad`); else the sibling matmul_reduce_scatter (one XLA
+    reduce-scatter when ct_g is not zero) and a plain GEMM. ct_g: the gathered dx's cotangent."""
+    dx, dw, g, w = _split(args, with_dw)
     ct, ct_g = cts[0], cts[1] if with_gathered else ad.Zero(g.aval)
-    undefined = [ad.is_undefined_primal(v) for v in (dx, dw)]
-    zero = [ad.Zero(v.aval) if u else None for v, u in zip((dx, dw), undefined, strict=True)]
+    linear = (dx, dw) if with_dw else (dx,)
+    undefined = [ad.is_undefined_primal(v) for v in linear]
+    zero = [ad.Zero(v.aval) if u else None for v, u in zip(linear, undefined, strict=True)]
     axis = params["axis_name"]
     scatter = partial(lax.psum_scatter, axis_name=axis, scatter_dimension=gather_dimension)
     extra = [] if type(ct_g) is ad.Zero else [ad.instantiate_zeros(ct_g)]
+
+    def result(dx_ct, dw_ct):
+        cts_in = [dx_ct if undefined[0] else None]
+        if with_dw:
+            cts_in.append(dw_ct if undefined[1] else None)
+        return cts_in + [None, None]
+
     if type(ct) is ad.Zero:
-        dx_ct = scatter(extra[0], tiled=True) if extra else zero[0]
-        return [dx_ct if undefined[0] else None, zero[1], None, None]
+        return result(scatter(extra[0], tiled=True) if extra else zero[0], zero[-1])
     wt, params = _common.transposed_w(w, params)
     # Until the backward op has run on GPUs, auto keeps the sibling matmul_reduce_scatter for dx
     # (fused where it wins, as before) and a plain GEMM for dW (fused.new_kernels_reason).
     sibling = params["config"].backend == "auto" and fused.new_kernels_reason() is not None
-    if gather_dimension < ct.ndim - 1 and not sibling:
+    if with_dw and gather_dimension < ct.ndim - 1 and not sibling:
         from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
 
         params = {**params, "scatter_dimension": gather_dimension}
-        dx_ct, dw_ct = dgrad_rs_wgrad_p.bind(ct, wt, g, *extra, **params)
-    else:
-        from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
+        return result(*dgrad_rs_wgrad_p.bind(ct, wt, g, *extra, **params))
+    from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
 
-        if extra:  # one reduce-scatter for both, as plain JAX (XLA's)
-            dx_ct = scatter(jnp.matmul(ct, wt) + extra[0], tiled=True)
-        else:
-            dx_ct = matmul_reduce_scatter_p.bind(
-                ct, wt, scatter_dimension=gather_dimension, **params
-            )
-        dw_ct = _common.contract_leading(g, ct)
-    return [dx_ct if undefined[0] else None, dw_ct if undefined[1] else None, None, None]
+    if extra:  # one reduce-scatter for both, as plain JAX (XLA's)
+        dx_ct = scatter(jnp.matmul(ct, wt) + extra[0], tiled=True)
+    else:
+        dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
+    return result(dx_ct, _common.contract_leading(g, ct) if with_dw else None)
 
 
 def _tangent_jvp(primals, tangents, **params):

@@ -171,7 +171,7 @@ def _jvp(primals, tangents, **params):
     out = matmul_reduce_scatter_p.bind(x, w, **params)
     zx, zw = type(dx) is ad.Zero, type(dw) is ad.Zero
     if zx and zw:
-        return out, ad.Zero.from_primal_value(out)
+        return out, _common.zero_tangent(out)
     if zw:
         return out, matmul_reduce_scatter_p.bind(dx, w, **params)
     if zx:

@@ -213,6 +213,12 @@ def _gpu_path(op: str, tiny: core.Jaxpr, config) -> str:
     n = math.prod(core.get_axis_env().axis_size(a) for a in params["axis_name"])
     x, w = (v.aval for v in eqn.invars)
     reason = fused.unsupported_reason(op, x, w, params, n)
+    if (
+        reason is None
+        and eqn.primitive.name.endswith("_keep")
+        and params["config"].backend == "auto"
+    ):
+        reason = fused.new_kernels_reason()  # as its lowering decides (ops/_common.py)
     return "fused" if reason is None else f"reference: {reason}"
 
 
