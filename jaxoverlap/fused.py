@@ -14,11 +14,14 @@ Contract with `jaxoverlap/ops/*` (the only callers):
 ``params`` is the primitive's params dict (``axis_name`` as a tuple, ``scatter_dimension`` or
 ``gather_dimension`` where the op has one, ``config``).
 
-What is fused in this version: ``matmul_reduce_scatter`` with ``scatter_dimension=0`` (rows of
-the flattened ``[..., K]`` input) and ``all_gather_matmul`` with ``gather_dimension=0`` (each
-rank's ``x`` is one contiguous block of rows of the gathered input), and ``matmul_all_reduce``
-as one call: the fused reduce-scatter over rows whose reduced chunks the copy engine pushes to
-every peer as they are done; bf16 or f16, 2..8 GPUs of one process with NVLink peer access.
+What is fused in this version: ``matmul_reduce_scatter`` (SM partition + TMA pushes, or with
+``comm_sms=0`` copy-engine pushes) and ``all_gather_matmul`` (copy-engine pushes; a variant also
+returns the gathered x) over blocks of rows of the flattened ``[..., K]`` input -- the scattered
+or gathered dimension, any but the last, is made major-most by the custom call's layout
+(`rows_major`) -- and ``matmul_all_reduce`` as one call: the fused reduce-scatter over rows whose
+reduced chunks the copy engine pushes to every peer as they are done; the column-parallel
+backward is in `jaxoverlap.fused_backward`. bf16 or f16, 2..8 GPUs of one process with NVLink
+peer access. `AUTO_NEW_KERNELS` (below) says which of these ``backend="auto"`` may pick yet.
 Alignment: ``K`` and ``N`` multiples of 8; rows per rank per chunk times ``K`` and times ``N``
 multiples of 128 elements (every GEMM operand 256-byte aligned).
 
