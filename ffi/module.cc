@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ce.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -102,6 +103,48 @@ double gemm_alignment_check(int ordinal, int offset, bool b_col, bool a_col) {
   return max_err / scale;
 }
 
+// Test-only: out = own + the sum of `count` blocks (bf16, `elems` each, blocks `stride` elements
+// apart) through the copy-engine handlers' sum kernel (kernels/ce.cu), in place when `in_place`
+// (out aliases own, as the copy-engine reduce-scatter uses it). Returns the max error relative
+// to max |reference| (a host f64 sum of the bf16 inputs); raises on a CUDA error.
+double sum_blocks_check(int ordinal, int count, int64_t elems, int64_t stride, bool in_place) {
+  using namespace jaxoverlap;
+  DeviceGuard guard;
+  if (cudaSetDevice(ordinal)) throw std::runtime_error("cudaSetDevice failed");
+  std::vector<uint16_t> own(elems), blocks(count * stride), out(elems);
+  for (int64_t i = 0; i < elems; ++i) own[i] = to_bf16((float)((i * 29 % 89) - 44) / 44.0f);
+  for (int64_t i = 0; i < count * stride; ++i)
+    blocks[i] = to_bf16((float)((i * 41 % 83) - 41) / 41.0f);
+  uint16_t *pown = nullptr, *pblocks = nullptr, *pout = nullptr;
+  std::string err;
+  if (cudaMalloc(&pown, elems * 2) || cudaMalloc(&pblocks, count * stride * 2 + 2) ||
+      cudaMalloc(&pout, elems * 2))
+    err = "allocation failed";
+  if (err.empty()) {
+    cudaMemcpy(pown, own.data(), elems * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(pblocks, blocks.data(), count * stride * 2, cudaMemcpyHostToDevice);
+    uint16_t* dst = in_place ? pown : pout;
+    if (cudaError_t e = launch_sum_blocks(dst, pown, pblocks, count, stride, elems, DType::kBF16,
+                                          132, nullptr))
+      err = cudaGetErrorString(e);
+    else if (cudaError_t e2 = cudaDeviceSynchronize())
+      err = cudaGetErrorString(e2);
+    else
+      cudaMemcpy(out.data(), dst, elems * 2, cudaMemcpyDeviceToHost);
+  }
+  for (void* p : {(void*)pown, (void*)pblocks, (void*)pout})
+    if (p) cudaFree(p);
+  if (!err.empty()) throw std::runtime_error(err);
+  double max_err = 0, scale = 1e-30;
+  for (int64_t i = 0; i < elems; ++i) {
+    double ref = from_bf16(own[i]);
+    for (int b = 0; b < count; ++b) ref += from_bf16(blocks[b * stride + i]);
+    max_err = std::max(max_err, std::abs(ref - from_bf16(out[i])));
+    scale = std::max(scale, std::abs(ref));
+  }
+  return max_err / scale;
+}
+
 template <typename T>
 nb::capsule capsule(T* fn) {
   static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
@@ -140,6 +183,9 @@ NB_MODULE(_native, m) {
         nb::arg("b_col") = false, nb::arg("a_col") = false,
         "Test-only: relative error of the GEMM runner with operand pointers `offset` bytes off "
         "256-byte alignment.");
+  m.def("_sum_blocks_check", &sum_blocks_check, nb::arg("ordinal"), nb::arg("count"),
+        nb::arg("elems"), nb::arg("stride"), nb::arg("in_place") = false,
+        "Test-only: relative error of the copy-engine handlers' sum of pushed blocks.");
   m.def("memory_in_use", &jaxoverlap::memory_in_use,
         "Device memory in use on a CUDA ordinal (total - free, cudaMemGetInfo), bytes; -1 on error.");
   m.def(

@@ -76,6 +76,20 @@ def test_gemm_runs_off_256_byte_alignment(gpus, offset, a_col, b_col):
     assert err < 1e-2, f"relative error {err:.3g} at a {offset}-byte offset ({a_col=}, {b_col=})"
 
 
+@pytest.mark.parametrize(
+    "count,elems,stride,in_place",
+    [(1, 1 << 22, 1 << 22, False), (3, 1 << 20, 1 << 20, True), (2, 1000003, 1000008, False)],
+)
+def test_sum_of_pushed_blocks(gpus, count, elems, stride, in_place):
+    # The copy-engine handlers' sum of the blocks their peers pushed (the column-parallel
+    # backward's dx, the copy-engine reduce-scatter's n > 2 tail): f32 sums of bf16 blocks, in
+    # place or not, with a tail that is not a whole 16-byte vector.
+    err = runtime.native()._sum_blocks_check(
+        gpus[0].local_hardware_id, count, elems, stride, in_place
+    )
+    assert err < 1e-2, f"relative error {err:.3g}"
+
+
 _BAD_ATTRS_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, sys
