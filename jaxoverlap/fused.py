@@ -30,8 +30,6 @@ The standalone TMA reduce-scatter of the benchmarks is in `jaxoverlap.tma`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
 import math
 import os
@@ -41,6 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap import runtime, topology
+from jaxoverlap._knobs import (  # noqa: F401  (re-exported: tests and tools use fused.<knob>)
+    _failed_rank_for_tests,
+    _gemm_only_for_tools,
+    _profile,
+    _stall_rank,
+    _stall_target,
+    _stalled_rank_for_tests,
+)
 
 GEMM_RS_TARGET = "jaxoverlap_gemm_rs_v1"
 GEMM_AR_TARGET = "jaxoverlap_gemm_ar_v1"  # the same schedule, the reduced rows gathered too
@@ -130,53 +136,8 @@ def _auto_reason(op, m, k, n_cols, dtype, n):
     )
 
 
-_stall_rank: contextvars.ContextVar[int] = contextvars.ContextVar("stall_rank", default=-1)
-_stall_target: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "stall_target", default=None
-)
-_profile: contextvars.ContextVar[int] = contextvars.ContextVar("profile", default=0)
-
-
 class FusedUnavailable(Exception):
     """The fused path cannot run for this call; the message says why."""
-
-
-@contextlib.contextmanager
-def _stalled_rank_for_tests(rank: int, target: str | None = None):
-    """Test-only: ops lowered inside this block (only the custom calls named ``target``, if
-    given) make ``rank`` never signal its pushes, so its peers must time out with an error
-    naming it (instead of hanging)."""
-    token = _stall_rank.set(int(rank))
-    target_token = _stall_target.set(target)
-    try:
-        yield
-    finally:
-        _stall_rank.reset(token)
-        _stall_target.reset(target_token)
-
-
-@contextlib.contextmanager
-def _failed_rank_for_tests(rank: int):
-    """Test-only: ops lowered inside this block make the handler of ``rank`` fail after it
-    counted the call (as an out-of-memory or a cuBLASLt error would), while its peers launch:
-    every rank must give up that call promptly (abort word, not the timeout)."""
-    token = _stall_rank.set(-2 - int(rank))
-    try:
-        yield
-    finally:
-        _stall_rank.reset(token)
-
-
-@contextlib.contextmanager
-def _gemm_only_for_tools():
-    """Tools only: fused GEMM+RS and AG+GEMM calls lowered inside this block run their GEMM
-    schedule without any communication, and `tma_reduce_scatter` pushes without summing (wrong
-    results either way), to measure where time goes."""
-    token = _profile.set(1)
-    try:
-        yield
-    finally:
-        _profile.reset(token)
 
 
 # ----------------------------------------------------------------------------- decisions
