@@ -174,7 +174,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       for (int t = 1; t < n; ++t) {
         const int j = (rank + t) % (int)n;
         if (k == 0) CK(launch_ce_wait_slot_free(peers, j, op_code, timeout_ns, err, dev->copy));
-        char* dst = ws->gather[j] + stage_slot(rank, j, (int)n) * block_bytes + k * chunk_bytes;
+        char* dst = peers.gather[j] + stage_slot(rank, j, (int)n) * block_bytes + k * chunk_bytes;
         CK(cudaMemcpyAsync(dst, own_rows + k * chunk_bytes, chunk_bytes, cudaMemcpyDefault,
                            dev->copy));
         CK(launch_ce_signal_arrival(peers, j, k, (int)stall_rank, dev->copy, /*gathered=*/true));
@@ -190,7 +190,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
           CK(launch_ce_wait_arrival(peers, s, k, op_code, timeout_ns, err, part->comm,
                                     /*gathered=*/true));
           const char* src =
-              ws->gather[rank] + stage_slot(s, rank, (int)n) * block_bytes + k * chunk_bytes;
+              peers.gather[rank] + stage_slot(s, rank, (int)n) * block_bytes + k * chunk_bytes;
           CK(cudaMemcpyAsync(op + s * block_bytes + k * chunk_bytes, src, chunk_bytes,
                              cudaMemcpyDefault, part->comm));
         }

@@ -38,8 +38,9 @@ inline ffi::Error invalid(const std::string& what, const std::string& msg) {
     return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
   }
 
-// The lowering sends, for every device of the program, its CUDA ordinal, its rank along the
-// reduced axes and its group's ordinals in rank order (rows of `groups`, `n` columns). Every
+// The lowering sends, for every device of the program in this process, its CUDA ordinal, its
+// rank along the reduced axes and its group's ordinals in rank order (rows of `groups`, `n`
+// columns; a member in another process as -1 - its global device id). Every
 // rank validates the whole table, not only its own row: the table is the same attribute on every
 // rank, so a malformed one is rejected by all of them before any launch (a rank that bailed out
 // alone would leave its peers spinning until the timeout).
@@ -61,9 +62,9 @@ inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
     if (row[r] != ordinals[i])
       return "group table does not list device " + std::to_string(ordinals[i]) + " at its rank";
     for (int64_t a = 0; a < n; ++a) {
-      if (row[a] < 0) return "group table holds a negative device ordinal";
       for (int64_t b = 0; b < a; ++b)
         if (row[a] == row[b]) return "group table lists a device twice in one group";
+      if (row[a] < 0) continue;  // -1 - global id: a member in another process (runtime.h)
       // Every member must be in the table with this very group, at its position.
       size_t j = 0;
       while (j < ordinals.size() && ordinals[j] != row[a]) ++j;

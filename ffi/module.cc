@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -223,5 +224,45 @@ NB_MODULE(_native, m) {
         return cudaDeviceCanAccessPeer(&can, a, b) == cudaSuccess && can != 0;
       },
       "Whether CUDA device `a` can map device `b`'s memory (initialises the CUDA runtime).");
+  m.def(
+      "devices",
+      [] {
+        // (ordinal, PCI bus id) of every GPU this process can see: what another process of the
+        // same host compares its own GPUs' bus ids with (jaxoverlap/xproc.py).
+        nb::list out;
+        int count = 0;
+        if (cudaGetDeviceCount(&count)) count = 0;
+        for (int i = 0; i < count; ++i) {
+          char bus[32] = {};
+          if (cudaDeviceGetPCIBusId(bus, sizeof(bus), i) == cudaSuccess)
+            out.append(nb::make_tuple(i, std::string(bus)));
+        }
+        cudaGetLastError();
+        return out;
+      },
+      "[(ordinal, PCI bus id)] of the GPUs visible to this process.");
+  auto key = [](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials,
+                bool gather) { return jaxoverlap::WsKey{site, group, block_bytes, partials, gather}; };
+  m.def(
+      "ws_export",
+      [key](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials, bool gather,
+            int rank) {
+        std::string handles;
+        std::string e = jaxoverlap::export_rank(key(site, group, block_bytes, partials, gather),
+                                                rank, &handles);
+        if (!e.empty()) throw std::runtime_error(e);
+        return nb::bytes(handles.data(), handles.size());
+      },
+      "Allocates this process's rank of a workspace that spans processes; its CUDA IPC handles.");
+  m.def(
+      "ws_import",
+      [key](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials, bool gather,
+            int peer, nb::bytes handles) {
+        std::string e = jaxoverlap::import_peer(
+            key(site, group, block_bytes, partials, gather), peer,
+            std::string(static_cast<const char*>(handles.data()), handles.size()));
+        if (!e.empty()) throw std::runtime_error(e);
+      },
+      "Maps peer rank `peer`'s workspace buffers (its ws_export bytes) into this process.");
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

@@ -73,8 +73,6 @@ struct Cell {
   std::string error;
   bool owed[kMaxRanks] = {};
 };
-// site, group, bytes, partials, gather area
-using WsKey = std::tuple<int64_t, std::vector<int>, int64_t, bool, bool>;
 std::mutex g_mu;  // guards the maps' structure only (look-up, insertion); no CUDA call under it
 std::map<int, std::unique_ptr<Cell<DeviceRuntime>>> g_devices;
 std::map<WsKey, std::unique_ptr<Cell<Workspace>>> g_workspaces;
@@ -239,6 +237,10 @@ void for_each_workspace(F fn) {
 // an earlier report is still pending there.
 void schedule_report(const std::string& found) {
   for_each_workspace([&](Workspace* ws) {
+    if (ws->spans) {  // no symmetric refusal across processes: refused from now on (runtime.h)
+      if (ws->broken.empty()) ws->broken = found;
+      return;
+    }
     uint32_t last = 0;
     for (int r = 0; r < ws->n; ++r) last = std::max(last, ws->issued[r]);
     bool pending = false;  // an earlier report not yet refused on every rank
@@ -332,15 +334,19 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
     std::lock_guard<std::mutex> lock(ws->seq_mu);
     index = ++ws->issued[rank];
     if (ws->refuse_at == index) *refused = ws->refuse_msg;
+    if (!ws->broken.empty())
+      *refused = ws->broken + " [this group spans processes: its fused calls stay refused until "
+                 "the processes restart]";
     *misordered = !ws->order.issue(rank, ws->n, id, &why);
     if (*misordered) abort_call(ws, index);  // before anything else: peers may be spinning
   }
   // Not under seq_mu: delivered() and report_failure() take every workspace's.
-  if (!refused->empty()) delivered(*refused);
+  if (!refused->empty() && ws->broken.empty()) delivered(*refused);
+  else if (!refused->empty()) delivered(ws->broken);
   if (!why.empty()) {
     std::string where;
     for (int r = 0; r < ws->n; ++r)
-      where += (r ? ", " : "") + std::to_string(ws->ordinals[r]);
+      where += (r ? ", " : "") + member_name(ws->ordinals[r]);
     report_failure(why + " (group of devices " + where + "; found by rank " +
                    std::to_string(rank) + ")");
   }
@@ -351,24 +357,92 @@ void abort_call(Workspace* ws, uint32_t index) {
   *(volatile uint32_t*)abort_word(ws->abort, index) = index;
 }
 
-namespace {
+std::string allocate_abort(Workspace* ws) {
+  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
+                                    cudaHostAllocMapped | cudaHostAllocPortable))
+    return cuda_error("cudaHostAlloc (abort words)", e);
+  for (uint32_t i = 0; i < kAbortSlots; ++i) ws->abort[i] = i ^ 1u;  // no epoch of slot i
+  return "";
+}
+
+std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_gather) {
+  const int n = ws->n;
+  const int64_t block_bytes = ws->block_bytes;
+  Peers& p = ws->peers[i];
+  p.n = n;
+  p.rank = i;
+  p.device = ws->ordinals[i];
+  // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
+  p.abort = ws->abort;
+  cudaSetDevice(ws->ordinals[i]);
+  cudaError_t e;
+  if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
+    return cuda_error("cudaEventCreate (workspace)", e);
+  if ((e = cudaMalloc(&p.stage[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (staging)", e);
+  if ((e = cudaMalloc(&p.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
+  if (with_partials && (e = cudaMalloc(&ws->part[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (partials)", e);
+  if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
+    return cuda_error("cudaMalloc (peer sum)", e);
+  if (with_gather && (e = cudaMalloc(&ws->gather[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (gather staging)", e);
+  p.gather[i] = ws->gather[i];
+  // A private stream: the synchronisation below waits for this memset only, never for work of
+  // other calls (which may be waiting on peers).
+  cudaStream_t s;
+  if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
+    return cuda_error("cudaStreamCreate", e);
+  cudaMemsetAsync(p.flags[i], 0, sizeof(Flags), s);
+  e = cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
+  if (e) return cuda_error("clearing the flags", e);
+  return "";
+}
 
 void free_workspace(Workspace* ws) {
   for (int i = 0; i < ws->n; ++i) {
+    if (ws->ordinals[i] < 0) continue;  // another process's
     cudaSetDevice(ws->ordinals[i]);
-    for (void* p : {(void*)ws->peers[0].stage[i], (void*)ws->peers[0].flags[i], (void*)ws->part[i],
+    const Peers& mine = ws->peers[i];
+    for (void* p : {(void*)mine.stage[i], (void*)mine.flags[i], (void*)ws->part[i],
                     (void*)ws->acc[i], (void*)ws->gather[i]})
       if (p) cudaFree(p);
     if (ws->done[i]) cudaEventDestroy(ws->done[i]);
+    if (ws->spans)  // the peers' buffers mapped into this process
+      for (int j = 0; j < ws->n; ++j)
+        if (j != i && ws->imported[j])
+          for (void* p : {(void*)mine.stage[j], (void*)mine.flags[j], (void*)mine.gather[j]})
+            if (p) cudaIpcCloseMemHandle(p);
   }
   if (ws->abort) cudaFreeHost(ws->abort);
+  cudaGetLastError();
 }
+
+std::string member_name(int v) {
+  return v >= 0 ? std::to_string(v) : "id " + std::to_string(-1 - v) + " (another process)";
+}
+
+bool spanning_ready(const Workspace* ws) {
+  if (!ws->spans) return false;
+  for (int r = 0; r < ws->n; ++r)
+    if (r != ws->local && !ws->imported[r]) return false;
+  return true;
+}
+
+std::string with_workspace_slot(
+    const WsKey& key, const std::function<std::string(std::unique_ptr<Workspace>&)>& fn) {
+  Cell<Workspace>* c = cell(g_workspaces, key);
+  std::lock_guard<std::mutex> lock(c->mu);
+  return fn(c->obj);
+}
+
+namespace {
 
 // Enables peer access, allocates and clears every member's buffers; on failure frees them.
 std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather) {
   const int n = ws->n;
   const std::vector<int>& ordinals = ws->ordinals;
-  const int64_t block_bytes = ws->block_bytes;
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j) continue;
@@ -383,43 +457,15 @@ std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather
       else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
     }
   }
-  Peers& base = ws->peers[0];
-  base.n = n;
-  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
-                                    cudaHostAllocMapped | cudaHostAllocPortable))
-    return cuda_error("cudaHostAlloc (abort words)", e);
-  for (uint32_t i = 0; i < kAbortSlots; ++i) ws->abort[i] = i ^ 1u;  // no epoch of slot i
-  // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
-  base.abort = ws->abort;
-  for (int i = 0; i < n; ++i) {
-    cudaSetDevice(ordinals[i]);
-    cudaError_t e;
-    if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
-      return cuda_error("cudaEventCreate (workspace)", e);
-    if ((e = cudaMalloc(&base.stage[i], (n - 1) * block_bytes)))
-      return cuda_error("cudaMalloc (staging)", e);
-    if ((e = cudaMalloc(&base.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
-    if (with_partials && (e = cudaMalloc(&ws->part[i], (n - 1) * block_bytes)))
-      return cuda_error("cudaMalloc (partials)", e);
-    if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
-      return cuda_error("cudaMalloc (peer sum)", e);
-    if (with_gather && (e = cudaMalloc(&ws->gather[i], (n - 1) * block_bytes)))
-      return cuda_error("cudaMalloc (gather staging)", e);
-    // A private stream: the synchronisation below waits for this memset only, never for work
-    // of other calls (which may be waiting on peers).
-    cudaStream_t s;
-    if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
-      return cuda_error("cudaStreamCreate", e);
-    cudaMemsetAsync(base.flags[i], 0, sizeof(Flags), s);
-    e = cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
-    if (e) return cuda_error("clearing the flags", e);
-  }
-  for (int i = 0; i < n; ++i) {
-    ws->peers[i] = base;
-    ws->peers[i].rank = i;
-    ws->peers[i].device = ordinals[i];
-  }
+  if (std::string e = allocate_abort(ws); !e.empty()) return e;
+  for (int i = 0; i < n; ++i)
+    if (std::string e = allocate_member(ws, i, with_partials, with_gather); !e.empty()) return e;
+  for (int i = 0; i < n; ++i)  // every member's table points at every member's buffers
+    for (int j = 0; j < n; ++j) {
+      ws->peers[i].stage[j] = ws->peers[j].stage[j];
+      ws->peers[i].flags[j] = ws->peers[j].flags[j];
+      ws->peers[i].gather[j] = ws->peers[j].gather[j];
+    }
   return "";
 }
 
@@ -433,6 +479,17 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
   Cell<Workspace>* c =
       cell(g_workspaces, WsKey{site, ordinals, block_bytes, with_partials, with_gather});
   std::lock_guard<std::mutex> lock(c->mu);
+  if (std::any_of(ordinals.begin(), ordinals.end(), [](int o) { return o < 0; })) {
+    // Spanning processes: set up at lowering (xproc.cc), never here.
+    if (c->obj && c->obj->local == rank && spanning_ready(c->obj.get())) {
+      *out = c->obj.get();
+      return "";
+    }
+    return "the workspace of this call spans processes and was not set up in this process "
+           "(site " + std::to_string(site) + ", " + std::to_string(block_bytes) + "-byte blocks"
+           "): it is mapped when the program is lowered (jaxoverlap/xproc.py), so a program "
+           "that was not lowered in this process (a deserialized jax.export) cannot run it";
+  }
   if (rank >= 0 && rank < kMaxRanks && c->owed[rank]) {
     c->owed[rank] = false;
     return c->error;

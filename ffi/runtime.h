@@ -9,10 +9,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "call_order.h"
@@ -83,9 +85,18 @@ void report_failure(const std::string& what);
 // devices breaks it. `order` checks it on every call (call_order.h): a call that differs from
 // another rank's call of the same number is given up on every rank and reported: no rank
 // computes a result from another call's data.
+//
+// A group that spans processes (one member per process: one process per GPU) has its members
+// of other processes in `ordinals` as -1 - (global device id): its workspace is not created by
+// the first call but at lowering time, by the Python side of every process (jaxoverlap/xproc.py:
+// export_rank here, the handles through the jax.distributed key-value store, import_peer in
+// the others), and a call finds it ready or fails. A failure noticed in a process that has such
+// a workspace breaks it for good (`broken`): the peer processes cannot be told to refuse the
+// same call, so its calls are refused from then on, on this side at once and on the others
+// after their waits of the next call time out.
 struct Workspace {
   int n = 0;
-  std::vector<int> ordinals;      // by rank
+  std::vector<int> ordinals;      // by rank; < 0: a member in another process
   int64_t block_bytes = 0;        // one rank's row block of the output
   Peers peers[kMaxRanks];         // the table each rank's kernels get (rank field differs)
   char* part[kMaxRanks] = {};     // GEMM partials of the n - 1 foreign blocks, per rank
@@ -102,6 +113,12 @@ struct Workspace {
   CallOrder order;                // under seq_mu: the identity of every rank's call k agrees
   uint32_t refuse_at = 0;         // a failure is reported by call number `refuse_at` on each rank
   std::string refuse_msg;
+  // Spanning processes: this process's rank, which peers' memory is mapped (cudaIpc), and the
+  // failure every later call raises (under seq_mu).
+  bool spans = false;
+  int local = -1;
+  bool imported[kMaxRanks] = {};
+  std::string broken;
 };
 
 static_assert(kMaxRanks <= CallOrder::kRanks, "CallOrder tracks fewer ranks than a group has");
@@ -130,6 +147,44 @@ void abort_call(Workspace* ws, uint32_t index);
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
                       int64_t block_bytes, bool with_partials, Workspace** out,
                       bool with_gather = false);
+
+// The key of a workspace: what the lowering sends (site, group as in Workspace::ordinals) and
+// what the handler derives from its buffers.
+struct WsKey {
+  int64_t site;
+  std::vector<int> group;
+  int64_t block_bytes;
+  bool partials, gather;
+};
+inline bool operator<(const WsKey& a, const WsKey& b) {
+  return std::tie(a.site, a.group, a.block_bytes, a.partials, a.gather) <
+         std::tie(b.site, b.group, b.block_bytes, b.partials, b.gather);
+}
+
+// Cross-process set-up (xproc.cc) of the workspace `key` whose rank `rank` is this process's:
+// allocates that rank's buffers (once) and returns the CUDA IPC handles of its peer-visible ones
+// (staging, flags, gather staging) as kIpcBytes bytes.
+constexpr int kIpcBytes = 3 * 64;
+std::string export_rank(const WsKey& key, int rank, std::string* handles);
+// Maps the buffers of `peer` (its export_rank bytes) into this process's rank of `key`.
+std::string import_peer(const WsKey& key, int peer, const std::string& handles);
+// True when `ws` spans processes and every peer of its local rank is mapped.
+bool spanning_ready(const Workspace* ws);
+// A member of Workspace::ordinals in messages: its CUDA ordinal, or the global id of another
+// process's device.
+std::string member_name(int ordinal);
+
+// Runs fn on the workspace slot of `key` under its set-up lock (creating the slot, not the
+// workspace): what xproc.cc builds cross-process workspaces with.
+std::string with_workspace_slot(const WsKey& key,
+                                const std::function<std::string(std::unique_ptr<Workspace>&)>& fn);
+// The host-mapped abort ring of `ws` (Peers::abort), and member `i`'s buffers on its device
+// (cleared flags; ws->peers[i]'s own entries): the pieces both creations are built of.
+std::string allocate_abort(Workspace* ws);
+std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_gather);
+// Frees what a workspace holds on this process's devices (its own allocations, the peers'
+// mappings); for a creation that failed half way.
+void free_workspace(Workspace* ws);
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoverlap import runtime, topology
+from jaxoverlap import runtime, topology, xproc
 from jaxoverlap._knobs import (  # noqa: F401  (re-exported: tests and tools use fused.<knob>)
     _failed_rank_for_tests,
     _gemm_only_for_tools,
@@ -255,6 +255,7 @@ def _group_table(ctx, axis_name):
         can_access_peer=runtime.can_access_peer,
         compute_capability=runtime.compute_capability,
         peer_link=runtime.peer_link,
+        cross_process=xproc.decide if xproc.client() is not None else None,
     )
     if why:
         raise FusedUnavailable(why)
@@ -296,8 +297,15 @@ def _call_tag(ctx, site):
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None):
+def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None, spec=None):
+    """The attributes of a fused call. ``spec``: its workspace as the handler sizes it,
+    (block_bytes, partials, gather area), which a group spanning processes maps now
+    (`xproc.prepare`)."""
     site = site_key(table, comm_sms, chunks, kind)
+    if topology.spans_processes(table):
+        if spec is None:
+            raise FusedUnavailable(f"{kind[:1]} has no workspace across processes")
+        xproc.prepare(table, site, spec, (*kind, int(comm_sms), int(chunks), _profile.get()))
     return dict(
         site=site,
         call_tag=_call_tag(ctx, site),
@@ -368,7 +376,8 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
         chunks = choose_chunks(m_total, k, n_cols, want) or choose_chunks(m_total, k, n_cols, 1)
         target = AG_GEMM_KEEP_TARGET if keep_gathered else AG_GEMM_TARGET
         kind = (target, *_operands_kind(x_aval, w_aval, params))
-        attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind, ctx)
+        spec = (xproc.spec_bytes(m_total, k, x_aval.dtype), False, False)  # x's block
+        attrs = _table_attrs(table, 0, chunks, config.timeout_s, kind, ctx, spec)
         return _ffi_call(target, ctx, x, w, params, attrs)
     return _lower_rows(GEMM_RS_TARGET, op, ctx, x, w, params, table)
 
@@ -394,7 +403,9 @@ def _lower_rows(target, op, ctx, x, w, params, table):
         target = GEMM_RS_CE_TARGET if target == GEMM_RS_TARGET else target
         comm_sms = 0 if target == GEMM_RS_CE_TARGET else DEFAULT_COMM_SMS
     kind = (target, *_operands_kind(x_aval, w_aval, params))
-    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx)
+    block = xproc.spec_bytes(m_total // table.n, n_cols, x_aval.dtype)  # the output's block
+    spec = (block, True, target == GEMM_AR_TARGET)
+    attrs = _table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx, spec)
     return _ffi_call(target, ctx, x, w, params, attrs)
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax._src import core
 
-from jaxoverlap import fused, runtime, topology
+from jaxoverlap import fused, runtime, topology, xproc
 
 TARGET = "jaxoverlap_dgrad_rs_wgrad_v1"
 ACC_TARGET = "jaxoverlap_dgrad_rs_wgrad_acc_v1"  # with e[M, K] added to ct @ w.T
@@ -74,13 +74,14 @@ def lower(ctx, ct, wt, g, *e, params):
     runtime.register_targets()
     target = ACC_TARGET if e else TARGET
     kind = (target, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
-    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx)
+    rows = math.prod(ct_aval.shape[:-1])
+    spec = (xproc.spec_bytes(rows // table.n, wt_aval.shape[1], ct_aval.dtype), False, False)
+    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx, spec)
     colmajor = bool(params["w_colmajor"])
     d = params["scatter_dimension"]
     major = lambda a: fused.rows_major(a.shape, d)  # noqa: E731  (blocks of rows contiguous)
     layouts = [major(ct_aval), (0, 1) if colmajor else (1, 0), major(g_aval)]
     layouts += [major(a) for a in ctx.avals_in[3:]]
-    rows = math.prod(ct_aval.shape[:-1])
     scratch = core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype)
     dx_aval = ctx.avals_out[0]
     result_layouts = [major(dx_aval), (1, 0), (1, 0)]  # dx, dW, the scratch

@@ -88,7 +88,7 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
     runtime.register_targets()
     kind = (RS_TARGET, tuple(aval.shape), str(aval.dtype))
-    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind, ctx)
+    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind, ctx, (block_bytes, False, False))
     return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
 
 

@@ -58,14 +58,15 @@ struct Peers {
   int32_t n, rank, device;
   char* stage[kMaxRanks];  // staging area on each rank (n - 1 slots of one block)
   Flags* flags[kMaxRanks];  // flag block on each rank
+  char* gather[kMaxRanks];  // the all-reduce's gather staging on each rank (host-side pushes)
   // Host-mapped, one ring of kAbortSlots words per workspace, polled by every wait: slot
   // e % kAbortSlots holds e when the call with epoch target e was given up by some rank (a wait
   // timed out, its host failed after the peers launched, or it was issued out of order). Every
   // wait of that call then gives up too, so no rank spins on a partner that left. A ring, not
   // one word: consecutive calls given up (two programs' calls paired in opposite orders) must
   // not overwrite each other's abort before the waits saw it. Slot i starts at i ^ 1, a value
-  // no epoch of that slot has. (One process per GPU will need it in each rank's peer-mapped
-  // Flags instead.)
+  // no epoch of that slot has. One ring per process: in a group that spans processes, a peer
+  // process's abort is not seen here; the waits of its call end by their timeout instead.
   uint32_t* abort;
 };
 

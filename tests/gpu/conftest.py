@@ -24,3 +24,15 @@ def gpus():
             pytest.fail(msg + " (JAXOVERLAP_REQUIRE_GPU=1)")
         pytest.skip(msg)
     return devs[:2]
+
+
+@pytest.fixture(scope="session")
+def gpus_any():
+    """At least one CUDA GPU (tests whose processes may share one, tests/gpu/test_xproc_gpu.py)."""
+    devs = _gpus()
+    if not devs:
+        msg = "needs a CUDA GPU, found none"
+        if os.environ.get("JAXOVERLAP_REQUIRE_GPU") == "1":
+            pytest.fail(msg + " (JAXOVERLAP_REQUIRE_GPU=1)")
+        pytest.skip(msg)
+    return devs

@@ -1,0 +1,85 @@
+"""Fused groups that span processes (one process per GPU; jaxoverlap/xproc.py): two processes
+joined by jax.distributed, each driving one GPU (on a one-GPU machine both drive GPU 0, where
+the kernels time-slice), run every fused op with backend="fused" (tests/gpu/xproc_worker.py):
+the fused custom call is compiled in, results match a float32 reference; a peer that compiled
+but never runs makes the other time out naming it and refuse later calls, with XLA work still
+running; a peer that never lowers makes the other's lowering fail naming it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+WORKER = os.path.join(os.path.dirname(__file__), "xproc_worker.py")
+
+
+def _run(mode, *, timeout=240, env=()):
+    import jax
+
+    gpus = len(jax.devices("gpu"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.getcwd(),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",  # two processes may share one GPU
+        **dict(env),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for p in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"xproc worker ({mode}) hung past {timeout} s")
+    return outs
+
+
+def _results(out):
+    return {ln.split(" ")[0]: ln for ln in out.splitlines() if " OK" in ln or " FAILED" in ln}
+
+
+@pytest.mark.parametrize(
+    "op",
+    ["matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter_ce"],
+)
+def test_ops_across_processes(gpus_any, op, xproc_ops):
+    for rank, out in enumerate(xproc_ops):
+        line = _results(out).get(op)
+        assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def xproc_ops():
+    return _run("ops")
+
+
+def test_stalled_peer_process(gpus_any):
+    out0, _ = _run("stall", timeout=120)
+    r = _results(out0)
+    for tag in ("stall", "refused", "xla_after"):
+        assert tag in r and " OK" in r[tag], f"{tag}: {r.get(tag)}\n{out0[-3000:]}"
+
+
+def test_absent_peer_process(gpus_any):
+    out0, _ = _run("absent", timeout=120, env={"JAXOVERLAP_SETUP_TIMEOUT_S": "8"})
+    r = _results(out0)
+    assert "absent" in r and " OK" in r["absent"], out0[-3000:]

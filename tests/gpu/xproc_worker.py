@@ -1,0 +1,165 @@
+"""One process of a fused group that spans processes (tests/gpu/test_xproc_gpu.py starts two).
+
+    python tests/gpu/xproc_worker.py PROCESS NPROC PORT GPU MODE
+
+Joins ``jax.distributed`` with ``local_device_ids=[GPU]`` (on a one-GPU machine both processes
+share GPU 0: the fused kernels then time-slice, slowly but correctly), builds a 1-D ``tp`` mesh
+over every process's device and runs, with ``backend="fused"``, each fused op on random bf16
+inputs (the same seed in every process), checking its shard against a float32 NumPy reference
+and that the fused custom call is in the compiled HLO. Prints ``<tag> OK ...`` or
+``<tag> FAILED ...`` per case. MODE ``ops``: the ops. MODE ``stall``: process 1 compiles but never
+runs the op; process 0 must get NaN and a timeout naming peer rank 1 within the timeout, then a
+refusal of its next fused call, while plain XLA work still runs. MODE ``absent``: process 1 never
+lowers the op; process 0's lowering must fail naming process 1 (JAXOVERLAP_SETUP_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def main(process, nproc, port, gpu, mode):
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=process,
+        local_device_ids=[gpu],
+        initialization_timeout=120,
+    )
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config, fused
+
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    rng = np.random.default_rng(0)
+
+    def arr(a, spec):
+        sh = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    def mine(y):
+        (s,) = y.addressable_shards
+        return s.index, np.asarray(s.data, np.float32)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(jnp.bfloat16)
+
+    def check(tag, f, args, ref, target):
+        try:
+            text = f.lower(*args).compile().as_text()
+            assert target in text, f"{target} not in the compiled HLO"
+            y = f(*args)
+            jax.block_until_ready(y)
+            jaxoverlap.check_errors()
+            idx, got = mine(y)
+            want = ref[idx]
+            err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+            assert np.isfinite(got).all() and err < 2e-2, f"relative error {err:.2e}"
+            print(f"{tag} OK rel_err={err:.1e} process={process}", flush=True)
+        except Exception as e:  # report every case
+            print(f"{tag} FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+            traceback.print_exc()
+
+    fused_cfg = Config(backend="fused", timeout_s=float(os.environ.get("XPROC_TIMEOUT_S", "60")))
+    M, K, N = 2048, 2048, 1024
+    x, w = rand(M, K), rand(K, N)
+    ref = x.astype(np.float32) @ w.astype(np.float32)
+
+    def rs(cfg):
+        body = lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", config=cfg)  # noqa: E731
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)
+            )
+        )
+
+    args_rs = (arr(x, P(None, "tp")), arr(w, P("tp", None)))
+    if mode == "absent":
+        if process == 0:
+            t0 = time.time()
+            try:
+                rs(fused_cfg).lower(*args_rs)
+                print("absent FAILED lowering succeeded without the peer", flush=True)
+            except Exception as e:
+                ok = "process 1" in str(e)
+                tag = "OK" if ok else "FAILED"
+                print(f"absent {tag} after {time.time() - t0:.1f}s: {str(e)[:300]}", flush=True)
+        else:
+            time.sleep(float(os.environ["JAXOVERLAP_SETUP_TIMEOUT_S"]) + 10)
+        return
+    if mode == "stall":
+        f = rs(Config(backend="fused", timeout_s=3.0))
+        c = f.lower(*args_rs).compile()
+        if process == 1:
+            time.sleep(20)  # compiled, never run: process 0's waits must time out
+            return
+        t0 = time.time()
+        y = c(*args_rs)
+        jax.block_until_ready(y)
+        dt = time.time() - t0
+        _, got = mine(y)
+        try:
+            jaxoverlap.check_errors()
+            print("stall FAILED no error reported", flush=True)
+        except jaxoverlap.FusedCallError as e:
+            named = "peer rank 1" in str(e)
+            tag = "OK" if named and np.isnan(got).all() and dt < 30 else "FAILED"
+            print(f"stall {tag} in {dt:.1f}s nan={np.isnan(got).all()}: {str(e)[:200]}")
+        try:
+            jax.block_until_ready(c(*args_rs))
+            print("refused FAILED the next call ran", flush=True)
+        except Exception as e:
+            tag = "OK" if "spans processes" in str(e) else "FAILED"
+            print(f"refused {tag}: {str(e)[:200]}", flush=True)
+        z = jax.jit(lambda a: a @ a.T)(jnp.ones((256, 256)))
+        print(f"xla_after OK {float(z[0, 0])}", flush=True)
+        return
+
+    # ops: each fused op (forward), every case reported.
+    check("matmul_reduce_scatter", rs(fused_cfg), args_rs, ref, fused.GEMM_RS_TARGET)
+    ce = Config(backend="fused", comm_sms=0, timeout_s=fused_cfg.timeout_s)
+    check("matmul_reduce_scatter_ce", rs(ce), args_rs, ref, fused.GEMM_RS_CE_TARGET)
+
+    xa, wa = rand(M, K), rand(K, N)
+    ag = jax.jit(
+        jax.shard_map(
+            lambda a, b: jaxoverlap.all_gather_matmul(a, b, "tp", config=fused_cfg),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+    ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
+    check(
+        "all_gather_matmul",
+        ag,
+        (arr(xa, P("tp", None)), arr(wa, P(None, "tp"))),
+        ref_ag,
+        fused.AG_GEMM_TARGET,
+    )
+    ar = jax.jit(
+        jax.shard_map(
+            lambda a, b: jaxoverlap.matmul_all_reduce(a, b, "tp", config=fused_cfg),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P(),
+        )
+    )
+    check("matmul_all_reduce", ar, args_rs, ref, fused.GEMM_AR_TARGET)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), a[4])
+    sys.stdout.flush()
+    os._exit(0)  # no distributed shutdown barrier: a stalled peer may be gone already
