@@ -83,3 +83,29 @@ def test_absent_peer_process(gpus_any):
     out0, _ = _run("absent", timeout=120, env={"JAXOVERLAP_SETUP_TIMEOUT_S": "8"})
     r = _results(out0)
     assert "absent" in r and " OK" in r["absent"], out0[-3000:]
+
+
+@pytest.fixture(scope="module")
+def xproc_train():
+    return _run("train", timeout=400)
+
+
+TRAINING_CASES = [
+    "column_parallel_bfloat16_1d",
+    "column_parallel_bfloat16_2d",
+    "column_parallel_float16_1d",
+    "column_parallel_float16_2d",
+    "row_parallel",
+    "batch_by_sequence",
+    "scanned_training",
+]
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES)
+def test_training_path_across_processes(gpus_any, case, xproc_train):
+    """The training path's fused calls (the all-gather that returns x, the column-parallel
+    backward, w.T in place, [B, S, D] over S) across two processes against the unsharded
+    model (tests/gpu/xproc_training.py)."""
+    for rank, out in enumerate(xproc_train):
+        line = _results(out).get(case)
+        assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"

@@ -9,8 +9,9 @@ inputs (the same seed in every process), checking its shard against a float32 Nu
 and that the fused custom call is in the compiled HLO. Prints ``<tag> OK ...`` or
 ``<tag> FAILED ...`` per case. MODE ``ops``: the ops. MODE ``stall``: process 1 compiles but never
 runs the op; process 0 must get NaN and a timeout naming peer rank 1 within the timeout, then a
-refusal of its next fused call, while plain XLA work still runs. MODE ``absent``: process 1 never
-lowers the op; process 0's lowering must fail naming process 1 (JAXOVERLAP_SETUP_TIMEOUT_S).
+refusal of its next fused call, while plain XLA work still runs. MODE ``train``: the training
+path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``: process 1 never lowers the
+op; process 0's lowering must fail naming process 1 (JAXOVERLAP_SETUP_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def main(process, nproc, port, gpu, mode):
             print(f"refused {tag}: {str(e)[:200]}", flush=True)
         z = jax.jit(lambda a: a @ a.T)(jnp.ones((256, 256)))
         print(f"xla_after OK {float(z[0, 0])}", flush=True)
+        return
+
+    if mode == "train":
+        from tests.gpu import xproc_training
+
+        xproc_training.run(mesh, arr)
         return
 
     # ops: each fused op (forward), every case reported.

@@ -1,0 +1,173 @@
+"""The training path's fused calls across two processes (tests/gpu/xproc_worker.py, MODE
+``train``): the cases of tests/gpu/test_training_gpu.py, with the reference computed by the same
+model on a one-device mesh of this process (the collectives over a size-1 axis are no-ops, so it
+is the unsharded computation). Nothing may need XLA's NCCL path (no loss values, whose sum is an
+all-reduce, only gradients): on a one-GPU machine both processes share the GPU, and NCCL refuses
+two ranks on one GPU. Prints ``<tag> OK`` or ``<tag> FAILED ...`` per case."""
+
+from __future__ import annotations
+
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap import Config, fused, fused_backward
+
+FUSED = Config(backend="fused", timeout_s=60.0)
+XLA = Config(backend="xla")
+TOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 3e-3}
+
+
+def _grads(mesh, op, config, x_spec, w_spec, out_spec):
+    def body(x, w):
+        if op == "ag":
+            return jaxoverlap.all_gather_matmul(x, w, "tp", config=config)
+        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32))), (0, 1)))
+
+
+def _mlp_step(mesh, config):
+    def mlp(x, w1, w2):
+        h = jaxoverlap.all_gather_matmul(x, w1, "tp", gather_dimension=1, config=config)
+        return jaxoverlap.matmul_reduce_scatter(
+            jax.nn.gelu(h), w2, "tp", scatter_dimension=1, config=config
+        )
+
+    specs = (P(None, "tp"), P(None, "tp"), P("tp"))
+    f = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
+    loss = lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _train(mesh, config):
+    def model(x, w1, w2):
+        def layer(h, ws):
+            u = jaxoverlap.all_gather_matmul(h, ws[0], "tp", config=config)
+            return h + jaxoverlap.matmul_reduce_scatter(
+                jax.nn.gelu(u), ws[1], "tp", config=config
+            ), None
+
+        return lax.scan(layer, x, (w1, w2))[0]
+
+    specs = (P("tp"), P(None, None, "tp"), P(None, "tp"))
+    f = jax.shard_map(model, mesh=mesh, in_specs=specs, out_specs=P("tp"))
+
+    def run(x, w1, w2):
+        def step(ws, _):
+            g = jax.grad(lambda ws: jnp.mean(jnp.square(f(x, *ws).astype(jnp.float32))))(ws)
+            return jax.tree.map(lambda p, g: p - 0.5 * g.astype(p.dtype), ws, g), None
+
+        return lax.scan(step, (w1, w2), None, length=3)[0]
+
+    return jax.jit(run)
+
+
+def _compare(tag, got, want, dtype):
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+        (s,) = a.addressable_shards
+        g = np.asarray(s.data, np.float32)
+        w = np.asarray(b, np.float32)[s.index]
+        err = float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-6))
+        assert np.isfinite(g).all() and err < TOL[jnp.dtype(dtype)], f"leaf {i}: error {err:.3g}"
+
+
+def _case(tag, build, host, specs, dtype, targets, mesh, arr):
+    """build(mesh, config) -> jitted fn of the arrays ``host`` (NumPy, global shapes); ``arr(a,
+    spec)``: the global array of ``a`` on ``mesh``."""
+    try:
+        local = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
+        args = [arr(a, s) for a, s in zip(host, specs, strict=True)]
+        fused_fn = build(mesh, FUSED)
+        hlo = fused_fn.lower(*args).compile().as_text()
+        for t in targets:
+            assert f'custom_call_target="{t}"' in hlo, f"{t} not in the compiled HLO"
+        assert "all-gather" not in hlo and "reduce-scatter" not in hlo, "an XLA collective is left"
+        got = fused_fn(*args)
+        jax.block_until_ready(got)
+        jaxoverlap.check_errors()
+        again = fused_fn(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(again), strict=True):
+            sa, sb = a.addressable_shards[0].data, b.addressable_shards[0].data
+            assert np.array_equal(np.asarray(sa), np.asarray(sb)), "not deterministic"
+        want = build(local, XLA)(*[jnp.asarray(a) for a in host])
+        _compare(tag, got, want, dtype)
+        print(f"{tag} OK", flush=True)
+    except Exception as e:  # report every case
+        print(f"{tag} FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+        traceback.print_exc()
+
+
+def run(mesh, arr):
+    rng = np.random.default_rng(3)
+
+    def normal(*shape, scale=1.0, dtype=jnp.bfloat16):
+        return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
+
+    keep, bulk = fused.AG_GEMM_KEEP_TARGET, fused_backward.TARGET
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for rows in ((2 * 1536,), (2, 384)):
+            k, n_local = 640, 1280
+            x, w = normal(*rows, k, dtype=dtype), normal(k, 2 * n_local, scale=1 / 32, dtype=dtype)
+            out = P(*([None] * len(rows)), "tp")
+            _case(
+                f"column_parallel_{jnp.dtype(dtype).name}_{len(rows)}d",
+                lambda mesh, cfg, out=out: _grads(mesh, "ag", cfg, P("tp"), P(None, "tp"), out),
+                (x, w),
+                (P("tp"), P(None, "tp")),
+                dtype,
+                (keep, bulk),
+                mesh,
+                arr,
+            )
+    m, k_local, n = 1536, 640, 896
+    x, w = normal(m, 2 * k_local), normal(2 * k_local, n, scale=1 / 45)
+    _case(
+        "row_parallel",
+        lambda mesh, cfg: _grads(mesh, "rs", cfg, P(None, "tp"), P("tp"), P("tp")),
+        (x, w),
+        (P(None, "tp"), P("tp")),
+        jnp.bfloat16,
+        (keep,),
+        mesh,
+        arr,
+    )
+    b, s_local, d, f_local = 4, 384, 640, 1280
+    host = (
+        normal(b, 2 * s_local, d),
+        normal(d, 2 * f_local, scale=1 / 25),
+        normal(2 * f_local, d, scale=1 / 50),
+    )
+    _case(
+        "batch_by_sequence",
+        _mlp_step,
+        host,
+        (P(None, "tp"), P(None, "tp"), P("tp")),
+        jnp.bfloat16,
+        (keep, bulk),
+        mesh,
+        arr,
+    )
+    d, f_local, layers = 768, 1280, 2
+    host = (
+        normal(3072, d),
+        normal(layers, d, 2 * f_local, scale=1 / 32),
+        normal(layers, 2 * f_local, d, scale=1 / 64),
+    )
+    _case(
+        "scanned_training",
+        _train,
+        host,
+        (P("tp"), P(None, None, "tp"), P(None, "tp")),
+        jnp.bfloat16,
+        (keep, bulk),
+        mesh,
+        arr,
+    )
