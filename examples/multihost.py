@@ -3,7 +3,9 @@
 Every process drives its local devices; the mesh holds all processes' devices (``jax.devices()``
 is global once ``jax.distributed`` is initialised). ``tp`` is the devices of one process, ``dp``
 runs across processes, so the block's collectives over ``tp`` stay inside a process (fused on
-GPUs where supported) and the gradient's reduction over ``dp`` crosses processes (XLA).
+GPUs where supported) and the gradient's reduction over ``dp`` crosses processes (XLA). With one
+device per process, ``tp`` spans the processes: on GPUs of one host joined by NVLink it fuses
+too (one GPU per process; the workspace is mapped across the processes by CUDA IPC).
 
     y = matmul_reduce_scatter(gelu(all_gather_matmul(x, w1, "tp")), w2, "tp")
 

@@ -114,9 +114,11 @@ def decide(groups, *, kv=None, process_index=None, local_devices=None):
     kv = kv or client()
     if kv is None:
         return "no jax.distributed key-value store to map a workspace across processes through"
-    me = jax.process_index() if process_index is None else process_index
+    me = topology.this_process() if process_index is None else process_index
     if not _published:
-        facts = local_facts(jax.local_devices() if local_devices is None else local_devices)
+        if local_devices is None:  # jax.local_devices(), as the group table sees processes
+            local_devices = [d for d in jax.devices() if topology._process(d) == me]
+        facts = local_facts(local_devices)
         _set(kv, f"{PREFIX}/facts/{me}", json.dumps(facts))
         _facts[me] = facts
         _published = True

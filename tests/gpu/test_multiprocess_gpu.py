@@ -1,7 +1,7 @@
 """examples/multihost.py under jaxoverlap.launch on real GPUs: 2 processes x 1 GPU (the tp
-group spans processes: XLA's path, with both ways of giving each process its GPU), 1 process x 2
-GPUs (fused), and, where 4 GPUs exist, 2 processes x 2 GPUs (tp fused inside each process, dp
-across processes through XLA)."""
+group spans processes: fused, its workspace mapped across them by CUDA IPC, with both ways of
+giving each process its GPU), 1 process x 2 GPUs (fused), and, where 4 GPUs exist, 2 processes x
+2 GPUs (tp fused inside each process, dp across processes through XLA)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def _launch(n, k, *flags, example_flags=()):
 
 @pytest.mark.parametrize("flags", [(), ("--cuda-visible-devices",)])
 def test_two_processes_one_gpu_each(gpus, flags):
-    out = _launch(2, 1, *flags)
-    assert "mesh dp=1 x tp=2" in out and "backend: reference (XLA)" in out
+    out = _launch(2, 1, *flags, example_flags=("--expect-fused",))
+    assert "mesh dp=1 x tp=2" in out and "backend: fused jaxoverlap kernels" in out
 
 
 def test_one_process_two_gpus_fuses(gpus):
