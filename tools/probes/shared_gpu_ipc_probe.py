@@ -77,7 +77,7 @@ def child(pid, port):
     say("cudaIpcOpenMemHandle", e, f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
     b = ctypes.c_uint32()
     e = rt.cudaMemcpy(ctypes.byref(b), q, 4, 2)  # device to host
-    say("read peer memory", e, hex(b.value), "expected", hex(((2 - pid) * 0x01010101)))
+    say("read peer memory", e, hex(b.value), "expected", hex((2 - pid) * 0x01010101))
     kv.wait_at_barrier("probe/read", 60_000)
     if pid == 1:  # not the coordinator's process (its exit stops every process at once)
         say("exiting while the peer holds the mapping")
@@ -99,8 +99,7 @@ def main():
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
     procs = [
-        subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env)
-        for i in range(2)
+        subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env) for i in range(2)
     ]
     for p in procs:
         try:
