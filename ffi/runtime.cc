@@ -185,6 +185,17 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
   return "";
 }
 
+uint32_t* spanning_dead_word() {
+  static uint32_t* word = [] {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable))
+      return (uint32_t*)nullptr;
+    *(volatile uint32_t*)p = 0;
+    return (uint32_t*)p;
+  }();
+  return word;
+}
+
 ErrorRecord* error_record(int ordinal) {
   std::call_once(g_errors_once, [] {
     void* p = nullptr;
@@ -239,6 +250,7 @@ void schedule_report(const std::string& found) {
   for_each_workspace([&](Workspace* ws) {
     if (ws->spans) {  // no symmetric refusal across processes: refused from now on (runtime.h)
       if (ws->broken.empty()) ws->broken = found;
+      if (uint32_t* dead = ws->peers[ws->local].dead) *(volatile uint32_t*)dead = 1;
       return;
     }
     uint32_t last = 0;

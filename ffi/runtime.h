@@ -55,6 +55,10 @@ std::string device_runtime(int ordinal, DeviceRuntime** out);
 // structured multiple of 8 SMs), the GEMM the rest. Created once per (device, comm_sms).
 std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out);
 
+// The host-mapped word of this process's spanning workspaces (Peers::dead); null if it could
+// not be allocated.
+uint32_t* spanning_dead_word();
+
 // Host-mapped error record of a device (usable from kernels through UVA).
 ErrorRecord* error_record(int ordinal);
 // "" if no failure of a fused call in this process is waiting to be reported, else the sentence
@@ -91,9 +95,9 @@ void report_failure(const std::string& what);
 // the first call but at lowering time, by the Python side of every process (jaxoverlap/xproc.py:
 // export_rank here, the handles through the jax.distributed key-value store, import_peer in
 // the others), and a call finds it ready or fails. A failure noticed in a process that has such
-// a workspace breaks it for good (`broken`): the peer processes cannot be told to refuse the
-// same call, so its calls are refused from then on, on this side at once and on the others
-// after their waits of the next call time out.
+// a workspace breaks it for good (`broken`, and Peers::dead for the kernels already launched):
+// the peer processes cannot be told to refuse the same call, so its calls are refused from then
+// on, on this side at once and on the others after their waits of the next call time out.
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank; < 0: a member in another process

@@ -31,18 +31,23 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
   // ones too, close_call), so only a peer that truly stalls ends this wait -- at the timeout.
   Peers q = p;
   q.abort = nullptr;
-  if (!wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
-                 {op, kWaitSlotFree, dst, -1}) &&
-      p.abort) {
-    *(volatile uint32_t*)abort_word(p.abort, e) = e;  // timed out: give it up on every rank
-    __threadfence_system();
-  }
+  if (wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
+                {op, kWaitSlotFree, dst, -1}))
+    return;
+  if (p.abort) *(volatile uint32_t*)abort_word(p.abort, e) = e;  // give it up on every rank
+  // A spanning group given up for good (Peers::dead; this wait timed out, or an earlier one):
+  // the copy still overwrites the slot, which a peer that is alive but stalled could yet be
+  // reading for its previous call. Mark that call given up in the peer's flags, so its finish
+  // fills its output with NaN rather than let it pass with mixed data.
+  if (p.dead) p.flags[dst]->gave_up = e - 1u;
+  __threadfence_system();
 }
 
 __global__ void ce_signal_arrival_kernel(const __grid_constant__ Peers p, int dst, int chunk,
                                          int stall_rank, int gathered) {
   const uint32_t e = p.flags[p.rank]->epoch + 1u;
   if (stall_rank == p.rank) return;
+  if (p.dead && *(volatile uint32_t*)p.dead) return;  // given up for good: the data may be stale
   // The copy before this kernel in stream order has completed; the system-scope fence orders its
   // writes (made by the copy engine) before the release as seen from the peer.
   __threadfence_system();

@@ -68,6 +68,12 @@ struct Peers {
   // no epoch of that slot has. One ring per process: in a group that spans processes, a peer
   // process's abort is not seen here; the waits of its call end by their timeout instead.
   uint32_t* abort;
+  // Groups that span processes only (else null): a host-mapped word of this process, shared by
+  // all its spanning workspaces, set to 1 by the first wait that times out in any of them (or by
+  // the host when it reports a failure): the peer process may be dead, so from then on every
+  // wait of every spanning call gives up at once instead of waiting out its own timeout (the
+  // calls already launched ahead, e.g. the rest of a lax.scan, would each take one).
+  uint32_t* dead;
 };
 
 constexpr uint32_t kAbortSlots = 64;  // a power of 2
@@ -139,6 +145,7 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
     Flags* local = peers.flags[peers.rank];
     const uint32_t e = ld_relaxed(&local->epoch, false) + 1u;
     volatile uint32_t* abort = peers.abort ? abort_word(peers.abort, e) : nullptr;
+    volatile uint32_t* dead = peers.dead;
     const uint64_t t0 = global_ns();
     uint32_t spins = 0;
     while (true) {
@@ -147,7 +154,7 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
       if ((int32_t)(v - target) >= 0) break;
       if ((++spins & 63u) == 0) {
         // The abort word is in host memory (a PCIe read): look at it every 1024 polls only.
-        if ((spins & 1023u) == 0 && abort && *abort == e) {
+        if ((spins & 1023u) == 0 && ((abort && *abort == e) || (dead && *dead))) {
           local->gave_up = e;
           return false;
         }
@@ -169,6 +176,7 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
           }
           local->gave_up = e;
           if (abort) *abort = e;
+          if (dead) *dead = 1;
           __threadfence_system();
           printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk "
                  "%d (wait kind %d, flag %u, wanted %u); giving up this call\n",

@@ -9,9 +9,11 @@ inputs (the same seed in every process), checking its shard against a float32 Nu
 and that the fused custom call is in the compiled HLO. Prints ``<tag> OK ...`` or
 ``<tag> FAILED ...`` per case. MODE ``ops``: the ops. MODE ``stall``: process 1 compiles but never
 runs the op; process 0 must get NaN and a timeout naming peer rank 1 within the timeout, then a
-refusal of its next fused call, while plain XLA work still runs. MODE ``train``: the training
-path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``: process 1 never lowers the
-op; process 0's lowering must fail naming process 1 (JAXOVERLAP_SETUP_TIMEOUT_S).
+refusal of its next fused call, while plain XLA work still runs. MODE ``stall_scan``: the same
+with 16 fused calls in a lax.scan: all given up within a few timeouts, not one each. MODE
+``train``: the training path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``:
+process 1 never lowers the op; process 0's lowering must fail naming process 1
+(JAXOVERLAP_SETUP_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -126,6 +128,45 @@ def main(process, nproc, port, gpu, mode):
         print(f"xla_after OK {float(z[0, 0])}", flush=True)
         return
 
+    if mode == "stall_scan":
+        # Eight fused calls in one lax.scan, launched ahead of the GPU; the peer never runs them.
+        # Once the first wait times out, every later one must give up at once (Peers::dead),
+        # not take a timeout each.
+        layers = 8
+        ws = np.stack([rand(K, K) for _ in range(layers)])
+        cfg = Config(backend="fused", timeout_s=3.0)
+
+        def body(h, w):
+            return jaxoverlap.all_gather_matmul(
+                jaxoverlap.matmul_reduce_scatter(h, w, "tp", config=cfg), w, "tp", config=cfg
+            ), None
+
+        g = jax.jit(
+            jax.shard_map(
+                lambda h, w: jax.lax.scan(body, h, w)[0],
+                mesh=mesh,
+                in_specs=(P(None, "tp"), P(None, "tp", None)),
+                out_specs=P(None, "tp"),
+            )
+        )
+        a = (arr(x[:, :K], P(None, "tp")), arr(ws, P(None, "tp", None)))
+        c = g.lower(*a).compile()
+        if process == 1:
+            time.sleep(40)
+            return
+        t0 = time.time()
+        y = c(*a)
+        jax.block_until_ready(y)
+        dt = time.time() - t0
+        _, got = mine(y)
+        try:
+            jaxoverlap.check_errors()
+            print("stall_scan FAILED no error reported", flush=True)
+        except jaxoverlap.FusedCallError as e:
+            ok = np.isnan(got).all() and dt < 4 * cfg.timeout_s
+            tag = "OK" if ok else "FAILED"
+            print(f"stall_scan {tag} {2 * layers} calls given up in {dt:.1f}s: {str(e)[:150]}")
+        return
     if mode == "train":
         from tests.gpu import xproc_training
 
