@@ -136,20 +136,19 @@ def main(process, nproc, port, gpu, mode):
         ws = np.stack([rand(K, K) for _ in range(layers)])
         cfg = Config(backend="fused", timeout_s=3.0)
 
-        def body(h, w):
-            return jaxoverlap.all_gather_matmul(
-                jaxoverlap.matmul_reduce_scatter(h, w, "tp", config=cfg), w, "tp", config=cfg
-            ), None
+        def body(h, w):  # h [M, K/2] -> RS -> [M/2, K] -> AG -> [M, K/2]
+            r = jaxoverlap.matmul_reduce_scatter(h, w[0], "tp", config=cfg)
+            return jaxoverlap.all_gather_matmul(r, w[1], "tp", config=cfg), None
 
         g = jax.jit(
             jax.shard_map(
-                lambda h, w: jax.lax.scan(body, h, w)[0],
+                lambda h, w1, w2: jax.lax.scan(body, h, (w1, w2))[0],
                 mesh=mesh,
-                in_specs=(P(None, "tp"), P(None, "tp", None)),
+                in_specs=(P(None, "tp"), P(None, "tp", None), P(None, None, "tp")),
                 out_specs=P(None, "tp"),
             )
         )
-        a = (arr(x[:, :K], P(None, "tp")), arr(ws, P(None, "tp", None)))
+        a = (arr(x, P(None, "tp")), arr(ws, P(None, "tp", None)), arr(ws, P(None, None, "tp")))
         c = g.lower(*a).compile()
         if process == 1:
             time.sleep(40)
