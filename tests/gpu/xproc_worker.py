@@ -151,7 +151,7 @@ def main(process, nproc, port, gpu, mode):
         a = (arr(x, P(None, "tp")), arr(ws, P(None, "tp", None)), arr(ws, P(None, None, "tp")))
         c = g.lower(*a).compile()
         if process == 1:
-            time.sleep(40)
+            time.sleep(60)
             return
         t0 = time.time()
         y = c(*a)
