@@ -117,3 +117,28 @@ def test_training_path_across_processes(gpus_any, case, xproc_train):
     for rank, out in enumerate(xproc_train):
         line = _results(out).get(case)
         assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"
+
+
+def test_bitwise_equal_to_one_process(gpus, tmp_path):
+    """2 processes x 1 GPU against 1 process x 2 GPUs (this pytest process): the same fused
+    calls on the same inputs give the same bits (needs 2 GPUs)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from . import xproc_worker
+
+    outs = _run("ops", env={"XPROC_DUMP": str(tmp_path)})
+    mesh = Mesh(np.array(gpus), ("tp",))
+
+    def arr(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    for tag, f, args, _, _ in xproc_worker.op_cases(mesh, arr, 60.0):
+        y = f(*args)
+        shards = sorted(y.addressable_shards, key=lambda s: s.device.id)
+        for p, shard in enumerate(shards):
+            path = tmp_path / f"{tag}.{p}.npy"
+            assert path.exists(), f"{tag}: process {p} wrote nothing\n{outs[p][-2000:]}"
+            got = np.asarray(shard.data).view(np.uint16)
+            assert np.array_equal(got, np.load(path)), f"{tag}: rank {p} differs"

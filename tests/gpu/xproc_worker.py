@@ -41,10 +41,9 @@ def main(process, nproc, port, gpu, mode):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused
+    from jaxoverlap import Config
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    rng = np.random.default_rng(0)
 
     def arr(a, spec):
         sh = NamedSharding(mesh, spec)
@@ -54,8 +53,7 @@ def main(process, nproc, port, gpu, mode):
         (s,) = y.addressable_shards
         return s.index, np.asarray(s.data, np.float32)
 
-    def rand(*shape):
-        return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(jnp.bfloat16)
+    dump = os.environ.get("XPROC_DUMP")
 
     def check(tag, f, args, ref, target):
         try:
@@ -68,30 +66,24 @@ def main(process, nproc, port, gpu, mode):
             want = ref[idx]
             err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
             assert np.isfinite(got).all() and err < 2e-2, f"relative error {err:.2e}"
+            if dump:  # the raw bits, for the comparison with one process (test_xproc_gpu.py)
+                bits = np.asarray(y.addressable_shards[0].data).view(np.uint16)
+                np.save(os.path.join(dump, f"{tag}.{process}.npy"), bits)
             print(f"{tag} OK rel_err={err:.1e} process={process}", flush=True)
         except Exception as e:  # report every case
             print(f"{tag} FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
             traceback.print_exc()
 
-    fused_cfg = Config(backend="fused", timeout_s=float(os.environ.get("XPROC_TIMEOUT_S", "60")))
-    M, K, N = 2048, 2048, 1024
-    x, w = rand(M, K), rand(K, N)
-    ref = x.astype(np.float32) @ w.astype(np.float32)
-
-    def rs(cfg):
-        body = lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", config=cfg)  # noqa: E731
-        return jax.jit(
-            jax.shard_map(
-                body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)
-            )
-        )
-
-    args_rs = (arr(x, P(None, "tp")), arr(w, P("tp", None)))
+    timeout_s = float(os.environ.get("XPROC_TIMEOUT_S", "60"))
+    cases = op_cases(mesh, arr, timeout_s)
+    _, rs_fn, args_rs, _, _ = cases[0]
+    rand = np.random.default_rng(1)
+    M, K = args_rs[0].shape
     if mode == "absent":
         if process == 0:
             t0 = time.time()
             try:
-                rs(fused_cfg).lower(*args_rs)
+                rs_fn.lower(*args_rs)
                 print("absent FAILED lowering succeeded without the peer", flush=True)
             except Exception as e:
                 ok = "process 1" in str(e)
@@ -101,7 +93,7 @@ def main(process, nproc, port, gpu, mode):
             time.sleep(float(os.environ["JAXOVERLAP_SETUP_TIMEOUT_S"]) + 10)
         return
     if mode == "stall":
-        f = rs(Config(backend="fused", timeout_s=3.0))
+        _, f, _, _, _ = op_cases(mesh, arr, 3.0)[0]
         c = f.lower(*args_rs).compile()
         if process == 1:
             time.sleep(20)  # compiled, never run: process 0's waits must time out
@@ -134,7 +126,7 @@ def main(process, nproc, port, gpu, mode):
         # at once (Peers::dead) rather than take a timeout each: the error (raised by the
         # program, or by check_errors with NaN outputs) comes within a few timeouts.
         layers = 8
-        ws = [rand(K, K) for _ in range(layers)]
+        ws = [(rand.standard_normal((K, K), np.float32) / np.sqrt(K)).astype(jnp.bfloat16)] * layers
         cfg = Config(backend="fused", timeout_s=3.0)
 
         def layers_fn(h, *w):  # h [M, K/2] -> RS -> [M/2, K] -> AG -> [M, K/2], 8 times
@@ -145,7 +137,7 @@ def main(process, nproc, port, gpu, mode):
 
         specs = (P(None, "tp"), *[P("tp", None)] * layers, *[P(None, "tp")] * layers)
         g = jax.jit(jax.shard_map(layers_fn, mesh=mesh, in_specs=specs, out_specs=P(None, "tp")))
-        a = [arr(x, specs[0])] + [arr(w, s) for w, s in zip(ws + ws, specs[1:], strict=True)]
+        a = [args_rs[0]] + [arr(w, s) for w, s in zip(ws + ws, specs[1:], strict=True)]
         c = g.lower(*a).compile()
         if process == 1:
             time.sleep(60)
@@ -176,36 +168,55 @@ def main(process, nproc, port, gpu, mode):
         return
 
     # ops: each fused op (forward), every case reported.
-    check("matmul_reduce_scatter", rs(fused_cfg), args_rs, ref, fused.GEMM_RS_TARGET)
-    ce = Config(backend="fused", comm_sms=0, timeout_s=fused_cfg.timeout_s)
-    check("matmul_reduce_scatter_ce", rs(ce), args_rs, ref, fused.GEMM_RS_CE_TARGET)
+    for case in cases:
+        check(*case)
+
+
+def op_cases(mesh, arr, timeout_s):
+    """[(tag, jitted fn, args, float32 reference, target)]: each fused op with
+    ``backend="fused"`` on random bf16 inputs (seed 0: the same in every process, and in a
+    one-process run of a mesh of the same shape). ``arr(a, spec)``: the global array of ``a``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config, fused
+
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(jnp.bfloat16)
+
+    def op(fn, in_specs, out_spec):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+
+    cfg = Config(backend="fused", timeout_s=timeout_s)
+    ce = Config(backend="fused", comm_sms=0, timeout_s=timeout_s)
+    M, K, N = 2048, 2048, 1024
+    x, w = rand(M, K), rand(K, N)
+    ref = x.astype(np.float32) @ w.astype(np.float32)
+    row = (P(None, "tp"), P("tp", None))
+    args = (arr(x, row[0]), arr(w, row[1]))
+
+    def rs(c):
+        return op(lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", config=c), row, row[1])
 
     xa, wa = rand(M, K), rand(K, N)
-    ag = jax.jit(
-        jax.shard_map(
-            lambda a, b: jaxoverlap.all_gather_matmul(a, b, "tp", config=fused_cfg),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
+    ag = op(
+        lambda a, b: jaxoverlap.all_gather_matmul(a, b, "tp", config=cfg),
+        (P("tp", None), P(None, "tp")),
+        P(None, "tp"),
     )
+    ar = op(lambda a, b: jaxoverlap.matmul_all_reduce(a, b, "tp", config=cfg), row, P())
+    ag_args = (arr(xa, P("tp", None)), arr(wa, P(None, "tp")))
     ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
-    check(
-        "all_gather_matmul",
-        ag,
-        (arr(xa, P("tp", None)), arr(wa, P(None, "tp"))),
-        ref_ag,
-        fused.AG_GEMM_TARGET,
-    )
-    ar = jax.jit(
-        jax.shard_map(
-            lambda a, b: jaxoverlap.matmul_all_reduce(a, b, "tp", config=fused_cfg),
-            mesh=mesh,
-            in_specs=(P(None, "tp"), P("tp", None)),
-            out_specs=P(),
-        )
-    )
-    check("matmul_all_reduce", ar, args_rs, ref, fused.GEMM_AR_TARGET)
+    return [
+        ("matmul_reduce_scatter", rs(cfg), args, ref, fused.GEMM_RS_TARGET),
+        ("matmul_reduce_scatter_ce", rs(ce), args, ref, fused.GEMM_RS_CE_TARGET),
+        ("all_gather_matmul", ag, ag_args, ref_ag, fused.AG_GEMM_TARGET),
+        ("matmul_all_reduce", ar, args, ref, fused.GEMM_AR_TARGET),
+    ]
 
 
 if __name__ == "__main__":
