@@ -213,8 +213,9 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
   CK(cudaEventRecord(dev->comm_done, part->comm));
   if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
   CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
+  ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
   CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
-                          xla_stream, false, out.data2, out.bytes2));
+                          xla_stream, false, out.data2, out.bytes2, err, ws->ordinals[rank], rank));
   CK(cudaEventRecord(ws->done[rank], xla_stream));
   return ffi::Error::Success();
 }

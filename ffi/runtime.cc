@@ -108,8 +108,9 @@ const char* op_name(int op) {
     case kOpAgGemm: return "jaxoverlap.all_gather_matmul";
     case kOpDgradRs: return "jaxoverlap.all_gather_matmul backward (dgrad reduce-scatter)";
     case kOpGemmAr: return "jaxoverlap.matmul_all_reduce";
+    case kOpReduceScatter: return "jaxoverlap.tma_reduce_scatter";
   }
-  return "jaxoverlap.tma_reduce_scatter";
+  return "a jaxoverlap fused call";
 }
 
 }  // namespace
@@ -213,6 +214,16 @@ namespace {
 
 std::string describe(const volatile ErrorRecord& e) {
   char buf[640];
+  if (e.what == kPeerGaveUp) {
+    std::snprintf(
+        buf, sizeof(buf),
+        "%s on device %d (rank %d) was given up by a peer process of its group (the peer's "
+        "waits timed out or it failed; its copy engine may have overwritten this rank's "
+        "staging from call %u on): the output of call %u and later ones were filled with NaN. "
+        "The group spans processes: its fused calls stay refused until the processes restart.",
+        op_name(e.op), e.device, e.rank, e.seen, e.target);
+    return buf;
+  }
   std::snprintf(
       buf, sizeof(buf),
       "%s timed out on device %d (rank %d) after %.2f s waiting for %s: peer rank %d, chunk %d "
@@ -342,19 +353,23 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
   uint32_t index;
   refused->clear();
   std::string why;
+  std::string broken;
   {
     std::lock_guard<std::mutex> lock(ws->seq_mu);
     index = ++ws->issued[rank];
     if (ws->refuse_at == index) *refused = ws->refuse_msg;
-    if (!ws->broken.empty())
-      *refused = ws->broken + " [this group spans processes: its fused calls stay refused until "
+    broken = ws->broken;
+    if (!broken.empty())
+      *refused = broken + " [this group spans processes: its fused calls stay refused until "
                  "the processes restart]";
-    *misordered = !ws->order.issue(rank, ws->n, id, &why);
+    // Across processes the order of calls is not compared (each process sees its own rank's
+    // calls only): a spanning group relies on every process issuing its calls in one order, as
+    // XLA's own collectives do (docs/call-order.md).
+    *misordered = !ws->spans && !ws->order.issue(rank, ws->n, id, &why);
     if (*misordered) abort_call(ws, index);  // before anything else: peers may be spinning
   }
   // Not under seq_mu: delivered() and report_failure() take every workspace's.
-  if (!refused->empty() && ws->broken.empty()) delivered(*refused);
-  else if (!refused->empty()) delivered(ws->broken);
+  if (!refused->empty()) delivered(broken.empty() ? *refused : broken);
   if (!why.empty()) {
     std::string where;
     for (int r = 0; r < ws->n; ++r)
@@ -366,6 +381,13 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
 }
 
 void abort_call(Workspace* ws, uint32_t index) {
+  // A peer process cannot see this process's abort ring: for a spanning group the dead word
+  // goes first, so this rank's kernels of the call (signals included) stop before the abort
+  // lets its waits give up and its pushes carry garbage (ce.cu, ce_signal_arrival_kernel).
+  if (ws->spans && ws->peers[ws->local].dead) {
+    *(volatile uint32_t*)ws->peers[ws->local].dead = 1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
   *(volatile uint32_t*)abort_word(ws->abort, index) = index;
 }
 

@@ -92,24 +92,34 @@ std::string import_peer(const WsKey& key, int peer, const std::string& handles) 
     const bool wanted[3] = {true, true, key.gather};
     DeviceGuard guard;
     cudaSetDevice(ws->ordinals[rank]);
-    for (int i = 0; i < 3; ++i) {
+    std::string err;
+    for (int i = 0; i < 3 && err.empty(); ++i) {
       cudaIpcMemHandle_t h;
       std::memcpy(&h, handles.data() + i * 64, 64);
       const bool present = std::string(handles.data() + i * 64, 64) != std::string(64, '\0');
-      if (present != wanted[i])
-        return "peer rank " + std::to_string(peer) + "'s handles do not match this workspace";
-      if (!present) continue;
-      void* p = nullptr;
-      if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)) {
-        cudaGetLastError();
-        return "mapping peer rank " + std::to_string(peer) + "'s memory (cudaIpcOpenMemHandle) "
-               "failed: " + cudaGetErrorString(e) + ". Its GPU must be reachable by peer access "
-               "(NVLink) from device " + std::to_string(ws->ordinals[rank]);
+      if (present != wanted[i]) {
+        err = "peer rank " + std::to_string(peer) + "'s handles do not match this workspace";
+      } else if (present) {
+        void* p = nullptr;
+        if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)) {
+          cudaGetLastError();
+          err = "mapping peer rank " + std::to_string(peer) + "'s memory (cudaIpcOpenMemHandle) "
+                "failed: " + cudaGetErrorString(e) + ". Its GPU must be reachable by peer "
+                "access (NVLink) from device " + std::to_string(ws->ordinals[rank]);
+        }
+        *targets[i] = static_cast<char*>(p);
       }
-      *targets[i] = static_cast<char*>(p);
     }
-    ws->imported[peer] = true;
-    return "";
+    if (err.empty()) {
+      ws->imported[peer] = true;
+      return "";
+    }
+    for (char** t : targets) {  // a retry starts from nothing mapped
+      if (*t) cudaIpcCloseMemHandle(*t);
+      *t = nullptr;
+    }
+    cudaGetLastError();
+    return err;
   });
 }
 

@@ -273,7 +273,10 @@ def site_key(table, comm_sms, chunks, kind):
     checked (`_call_tag`, ffi/call_order.h): calls paired out of order are given up on every
     rank (NaN outputs) and reported like a timeout (`check_errors`, or the next fused call
     raises), never run on each other's data (docs/call-order.md)."""
-    text = repr((table.groups.tolist(), int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
+    # A table with members in other processes: the whole mesh's groups (global ids), so that every
+    # process derives the same key for the same workspace (jaxoverlap/xproc.py names it by it).
+    groups = table.whole if topology.spans_processes(table) else table.groups.tolist()
+    text = repr((groups, int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 

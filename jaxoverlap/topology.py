@@ -46,6 +46,8 @@ class GroupTable:
         rank; None in hand-built tables, which then must lie in one process to fuse.
       group_ids: ``[rows, n]``: the global device id (``jax.Device.id``) of each member of each
         device's group, by rank; None in hand-built tables.
+      whole: the groups of the whole mesh in global ids (a tuple, the same in every process; kept
+        by `local_rows`): what a workspace key of a group spanning processes is derived from.
     """
 
     n: int
@@ -55,6 +57,7 @@ class GroupTable:
     processes: np.ndarray
     group_processes: np.ndarray | None = None
     group_ids: np.ndarray | None = None
+    whole: tuple | None = None
 
 
 def _ordinal(d):
@@ -117,6 +120,7 @@ def group_table(mesh, axis_names) -> GroupTable:
         processes=processes,
         group_processes=group_processes,
         group_ids=group_ids,
+        whole=tuple(tuple(r) for r in group_ids.tolist()),
     )
 
 
@@ -136,6 +140,7 @@ def local_rows(table: GroupTable, process_index: int) -> GroupTable:
         processes=table.processes[mine],
         group_processes=None if gp is None else gp[mine],
         group_ids=None if table.group_ids is None else table.group_ids[mine],
+        whole=table.whole,
     )
 
 

@@ -155,7 +155,8 @@ def prepare(table, site, spec, what, *, kv=None, native=None):
             raise CrossProcessError("jaxoverlap: a group spans processes without jax.distributed")
         ids = [int(v) for v in table.group_ids[i]]
         procs = [int(p) for p in table.group_processes[i]]
-        name = f"{PREFIX}/ws/{exchange_key(ids, (*what, block_bytes, partials, gather))}"
+        key_what = (int(site), *what, block_bytes, partials, gather)
+        name = f"{PREFIX}/ws/{exchange_key(ids, key_what)}"
         handles = native.ws_export(int(site), group, block_bytes, partials, gather, rank)
         _set(kv, f"{name}/{rank}", bytes(handles).hex())
         for r in range(len(group)):

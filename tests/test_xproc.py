@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -190,7 +191,7 @@ def _lower(mesh):
 
 def test_lowering_maps_the_workspace_with_the_same_names_in_every_process(spanning):
     mesh, as_process = spanning
-    published, asked = {}, {}
+    published, asked, sites = {}, {}, {}
     for p in (1, 0):
         native, kv = as_process(p)
         text = _lower(mesh)
@@ -198,6 +199,7 @@ def test_lowering_maps_the_workspace_with_the_same_names_in_every_process(spanni
         assert "reduce_scatter" not in text
         # This process's devices only; the other process's member by -1 - its global id.
         assert "ordinals = dense<[0, 1]>" in call and f"ranks = dense<{p}>" in call
+        sites[p] = re.search(r"site = (-?\d+)", call).group(1)
         groups = [[0, -2], [1, -4]] if p == 0 else [[-1, 0], [-3, 1]]
         assert f"groups = dense<{[v for g in groups for v in g]}>".replace(" ", "") in call.replace(
             " ", ""
@@ -216,6 +218,8 @@ def test_lowering_maps_the_workspace_with_the_same_names_in_every_process(spanni
         n_exports = len(native.exports)
         _lower(mesh)
         assert len(native.exports) == n_exports
+    # The workspace key is the same in both processes (their local rows differ).
+    assert sites[0] == sites[1]
     # What process 1 waited for is what process 0 published, and the other way round.
     assert {k.rsplit("/", 1)[0] for k in published[0]} == {k.rsplit("/", 1)[0] for k in asked[1]}
     assert all(k.endswith("/0") for k in published[0]) and all(k.endswith("/0") for k in asked[1])
@@ -253,7 +257,7 @@ table = topology.GroupTable(
     n=2, ordinals=np.array([0]), ranks=np.array([me]),
     groups=np.array([[0, -2] if me == 0 else [-1, 0]]), processes=np.array([me]),
     group_processes=np.array([[0, 1]]), group_ids=np.array([[0, 1]]))
-xproc.prepare(table, 7 + me, (4096, True, False), ("op", (8, 8)), native=native)
+xproc.prepare(table, 7, (4096, True, False), ("op", (8, 8)), native=native)
 assert native.imports == [(1 - me, 11 - me)], native.imports
 print(f"exchange OK {me}", flush=True)
 if me == 0:  # a peer that never publishes: named within the bound

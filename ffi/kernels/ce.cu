@@ -37,9 +37,10 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
   if (p.abort) *(volatile uint32_t*)abort_word(p.abort, e) = e;  // give it up on every rank
   // A spanning group given up for good (Peers::dead; this wait timed out, or an earlier one):
   // the copy still overwrites the slot, which a peer that is alive but stalled could yet be
-  // reading for its previous call. Mark that call given up in the peer's flags, so its finish
-  // fills its output with NaN rather than let it pass with mixed data.
-  if (p.dead) p.flags[dst]->gave_up = e - 1u;
+  // reading for its previous call. Mark the peer poisoned from that call on (sticky, first mark
+  // wins: the calls launched ahead here would each mark a later one), so its finishes fill
+  // their outputs with NaN and report it rather than let mixed data pass.
+  if (p.dead && e > 1u) atomicCAS_system(&p.flags[dst]->poison_from, 0u, e - 1u);
   __threadfence_system();
 }
 
@@ -47,7 +48,11 @@ __global__ void ce_signal_arrival_kernel(const __grid_constant__ Peers p, int ds
                                          int stall_rank, int gathered) {
   const uint32_t e = p.flags[p.rank]->epoch + 1u;
   if (stall_rank == p.rank) return;
-  if (p.dead && *(volatile uint32_t*)p.dead) return;  // given up for good: the data may be stale
+  // A spanning group given up for good, or this call given up here: the pushed data may be
+  // garbage, and a receiver in another process cannot see this process's abort word.
+  if (p.dead && (*(volatile uint32_t*)p.dead ||
+                 (p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e)))
+    return;
   // The copy before this kernel in stream order has completed; the system-scope fence orders its
   // writes (made by the copy engine) before the release as seen from the peer.
   __threadfence_system();

@@ -358,13 +358,33 @@ __global__ void release_slots_kernel(const __grid_constant__ Peers p) {
 __global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; }
 
 // The finish kernel of a call with an output: if a wait of this rank gave up in this call (or
-// `force`: its host failed), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it
-// cannot pass for a result; then advance the epoch. One block: the common case costs what
+// `force`: its host failed), or a peer process poisoned it (Flags::poison_from; reported in
+// `err` if given), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it cannot
+// pass for a result; then advance the epoch. One block: the common case costs what
 // finish_kernel costs.
 __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
-                                     int64_t elems2, uint16_t nan, int force) {
+                                     int64_t elems2, uint16_t nan, int force, ErrorRecord* err,
+                                     int device, int rank) {
   const uint32_t epoch = local->epoch;
-  if (force || local->gave_up == epoch + 1u) {
+  const uint32_t from = *(volatile uint32_t*)&local->poison_from;
+  const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
+  if (poisoned && err && threadIdx.x == 0) {
+    volatile ErrorRecord* r = err;
+    if (!r->set) {
+      r->op = 0;
+      r->what = kPeerGaveUp;
+      r->device = device;
+      r->rank = rank;
+      r->peer = -1;
+      r->chunk = -1;
+      r->target = epoch + 1u;
+      r->seen = from;
+      r->waited_s = 0;
+      __threadfence_system();
+      r->set = 1;
+    }
+  }
+  if (force || poisoned || local->gave_up == epoch + 1u) {
     for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) out[i] = nan;
     for (int64_t i = threadIdx.x; i < elems2; i += blockDim.x) out2[i] = nan;
   }
@@ -426,11 +446,12 @@ cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
 }
 
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
-                                 cudaStream_t stream, bool force, void* out2, int64_t bytes2) {
+                                 cudaStream_t stream, bool force, void* out2, int64_t bytes2,
+                                 ErrorRecord* err, int device, int rank) {
   const uint16_t nan = dtype == DType::kBF16 ? 0x7fc0u : 0x7e00u;
   finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2,
                                               static_cast<uint16_t*>(out2), out2 ? bytes2 / 2 : 0,
-                                              nan, force ? 1 : 0);
+                                              nan, force ? 1 : 0, err, device, rank);
   return cudaGetLastError();
 }
 

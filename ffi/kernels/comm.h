@@ -74,8 +74,11 @@ cudaError_t launch_finish(Flags* local, cudaStream_t stream);
 // launch_finish for a call with outputs: first fills out[0, bytes) (and out2[0, bytes2), a
 // second output, if given) with NaN if a wait of this rank gave up in the current call
 // (Flags::gave_up), or always if `force`.
+// `err` (groups that span processes only): where to report a poisoning by a peer process
+// (Flags::poison_from), as device `device`, rank `rank`.
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
                                  cudaStream_t stream, bool force = false, void* out2 = nullptr,
-                                 int64_t bytes2 = 0);
+                                 int64_t bytes2 = 0, ErrorRecord* err = nullptr, int device = -1,
+                                 int rank = -1);
 
 }  // namespace jaxoverlap

@@ -26,6 +26,7 @@ enum WaitWhat : int32_t {
   kWaitReduced = 4,    // the GEMM waited for the locally reduced peer sum (n > 2)
   kWaitAccReady = 5,   // reduce-push: waited for the owner to seed its accumulator
   kWaitCeBlock = 6,    // a block pushed by a peer's copy engine (x for the all-gather + GEMM)
+  kPeerGaveUp = 7,     // no wait: a peer process gave up and marked this call (Flags::poison_from)
 };
 
 // Lives in host-mapped pinned memory so the host reads it without synchronising with the GPU.
@@ -40,7 +41,12 @@ struct ErrorRecord {
 struct Flags {
   uint32_t epoch;    // calls completed on this workspace (incremented by the finish kernel)
   uint32_t gave_up;  // epoch target of the last call in which a wait of this rank gave up
-  uint32_t pad0[30];
+  // Groups that span processes: set once (0 -> epoch target) by a peer whose copy engine may have
+  // overwritten this rank's staging while that call or a later one could still read it
+  // (ce.cu, ce_wait_slot_free_kernel); every finish from that call on fills its output with NaN
+  // and reports it. Sticky: the group is given up for good by then.
+  uint32_t poison_from;
+  uint32_t pad0[29];
   uint32_t ready[kMaxRanks * kMaxChunks];                  // local GEMM chunk finished
   uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
   uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
@@ -175,8 +181,11 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
             r->set = 1;
           }
           local->gave_up = e;
+          if (dead) {  // before the abort word: see runtime.cc, abort_call
+            *dead = 1;
+            __threadfence_system();
+          }
           if (abort) *abort = e;
-          if (dead) *dead = 1;
           __threadfence_system();
           printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk "
                  "%d (wait kind %d, flag %u, wanted %u); giving up this call\n",

@@ -121,10 +121,11 @@ def main(process, nproc, port, gpu, mode):
         return
 
     if mode == "stall_many":
-        # Sixteen fused calls in one program (8 unrolled layers), all launched ahead of the GPU;
-        # the peer never runs them. Once the first wait times out, every later one must give up
-        # at once (Peers::dead) rather than take a timeout each: the error (raised by the
-        # program, or by check_errors with NaN outputs) comes within a few timeouts.
+        # Sixteen fused calls in one program (8 unrolled layers). Run once by both (the first
+        # call of a workspace warms it up with a host synchronisation), then again by process 0
+        # alone: all sixteen are launched ahead of the GPU, the peer never runs them. Once the
+        # first wait times out, every later one must give up at once (Peers::dead) rather than
+        # take a timeout each: the error comes within a few timeouts.
         layers = 8
         ws = [(rand.standard_normal((K, K), np.float32) / np.sqrt(K)).astype(jnp.bfloat16)] * layers
         cfg = Config(backend="fused", timeout_s=3.0)
@@ -139,9 +140,12 @@ def main(process, nproc, port, gpu, mode):
         g = jax.jit(jax.shard_map(layers_fn, mesh=mesh, in_specs=specs, out_specs=P(None, "tp")))
         a = [args_rs[0]] + [arr(w, s) for w, s in zip(ws + ws, specs[1:], strict=True)]
         c = g.lower(*a).compile()
+        jax.block_until_ready(c(*a))
+        jaxoverlap.check_errors()
         if process == 1:
             time.sleep(60)
             return
+        time.sleep(1)  # the peer is past its run
         t0 = time.time()
         try:
             y = c(*a)
