@@ -71,7 +71,7 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
   if (s.a_col) {
     const int32_t op_t = CUBLAS_OP_T;
     LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_t, sizeof(op_t)));
-    LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.m, s.k, s.m));
+    LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.m, s.k, s.lda ? s.lda : s.m));
   } else {
     LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.k, s.m, s.k));
   }

@@ -25,9 +25,11 @@ struct GemmShape {
   bool accumulate;  // D = A.B + C (beta = 1) instead of D = A.B
   int sm_count;     // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET (0: whole device)
   bool b_col;       // B is column-major: element (i, j) at b[j * k + i]
-  bool a_col = false;  // A is column-major: element (i, j) at a[j * m + i]
+  bool a_col = false;  // A is column-major: element (i, j) at a[j * lda + i]
+  int64_t lda = 0;     // a_col: the leading dimension of A (0: m; more for a block of rows of a
+                       // taller column-major matrix)
   auto key() const {
-    return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col, a_col);
+    return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col, a_col, lda);
   }
 };
 

@@ -7,7 +7,10 @@
 // its own block chunk by chunk with C = the peers' contribution (beta = 1), so the reduction
 // costs no extra pass. n > 2: the comm kernel's receivers first sum the peers' chunks in rank
 // order. `w_colmajor`: w[K, N] is stored column-major (the transpose of a row-major [N, K]
-// array, as in the backward's ct @ w.T), read as cuBLASLt's transposed operand.
+// array, as in the backward's ct @ w.T), read as cuBLASLt's transposed operand. `x_colmajor`:
+// x[rows, K] is stored column-major too (a row block is then a block of a taller column-major
+// matrix: leading dimension `rows`) -- the reduce-scatter over the last dimension of x @ w, run
+// as the transposed problem (out.T = w.T @ x.T; jaxoverlap/fused_cols.py).
 // All-reduce (out[M, N], the whole sum on every rank): the own GEMM writes rank r's rows of the
 // output; as each reduced chunk is done, the copy engine (the device's copy stream, no SMs)
 // pushes it into every peer's second staging area (Workspace::gather) and releases the peer's
@@ -30,7 +33,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
                   ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                   ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
                   double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
-                  ffi::RunId run_id, int64_t w_colmajor) {
+                  ffi::RunId run_id, int64_t w_colmajor, int64_t x_colmajor) {
   const char* kWhat = all_reduce ? "jaxoverlap.matmul_all_reduce (fused)"
                                  : "jaxoverlap.matmul_reduce_scatter (fused)";
   const int op_code = all_reduce ? kOpGemmAr : kOpGemmRs;
@@ -45,6 +48,9 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   if ((int64_t)out->element_count() != (all_reduce ? M : m) * N)
     return invalid(kWhat, all_reduce ? "result size is not rows x N"
                                      : "result size is not (rows / group size) x N");
+  if (x_colmajor && (x.dimensions().size() != 2 || (mc * elt) % 256))
+    return invalid(kWhat, "column-major x must be 2-D with rows per chunk a multiple of 128 "
+                          "(256-byte alignment of each chunk's first row)");
   int rank = -1;
   std::vector<int> group;
   if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
@@ -85,8 +91,12 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     char* own_rows = all_reduce ? op + rank * block_bytes : op;  // where the own GEMM writes
     const int64_t chunk_bytes = mc * N * elt;
     char* partials = ws->part[rank];
-    const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms, w_colmajor != 0};
-    const GemmShape own{mc, N, K, dtype, true, part->gemm_sms, w_colmajor != 0};
+    const bool a_col = x_colmajor != 0;
+    const int64_t lda = a_col ? M : 0;
+    const GemmShape foreign{mc, N, K, dtype, false, part->gemm_sms, w_colmajor != 0, a_col, lda};
+    const GemmShape own{mc, N, K, dtype, true, part->gemm_sms, w_colmajor != 0, a_col, lda};
+    // Row r of x: r * K elements in, or r alone when x is column-major.
+    const int64_t row_elems = a_col ? 1 : K;
     const int senders =
         n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
                : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
@@ -124,7 +134,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     for (int t = 0; t < n - 1; ++t) {
       const int j = (rank + 1 + t) % (int)n;
       for (int k = 0; k < chunks; ++k) {
-        const char* a = xp + (j * m + k * mc) * K * elt;
+        const char* a = xp + (j * m + k * mc) * row_elems * elt;
         char* d = partials + t * block_bytes + k * mc * N * elt;
         if (std::string e = dev->gemm.run(foreign, a, wp, nullptr, d, part->gemm); !e.empty())
           return internal(kWhat, e);
@@ -161,7 +171,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       const char* cin = n == 2 ? peers.stage[rank] +
                                      stage_slot(peer, rank, (int)n) * block_bytes + k * chunk_bytes
                                : ws->acc[rank] + k * chunk_bytes;
-      const char* a = xp + (rank * m + k * mc) * K * elt;
+      const char* a = xp + (rank * m + k * mc) * row_elems * elt;
       if (std::string e = dev->gemm.run(own, a, wp, cin, own_rows + k * chunk_bytes, part->gemm);
           !e.empty())
         return internal(kWhat, e);
@@ -225,9 +235,11 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                       int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
-                      int64_t call_tag, ffi::RunId run_id, int64_t w_colmajor) {
+                      int64_t call_tag, ffi::RunId run_id, int64_t w_colmajor,
+                      int64_t x_colmajor) {
   return GemmRs(xla_stream, device, x, w, &*out, kAllReduce, site, ordinals, ranks, groups, n,
-                comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, run_id, w_colmajor);
+                comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, run_id, w_colmajor,
+                x_colmajor);
 }
 
 // Both targets' binding: x [..., K], w [K, N] -> out, then the common attributes.
@@ -238,7 +250,8 @@ auto gemm_rs_binding() {
                                .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
                                .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
                                .Ret<xla::ffi::AnyBuffer>())  // out
-      .Attr<int64_t>("w_colmajor");                          // w stored column-major
+      .Attr<int64_t>("w_colmajor")                           // w stored column-major
+      .Attr<int64_t>("x_colmajor");                          // x stored column-major
 }
 
 }  // namespace

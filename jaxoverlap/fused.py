@@ -163,10 +163,12 @@ def choose_chunks(m, k, n_cols, requested=None):
 
 _FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
-# Kernels that have not run on GPUs yet -- all_gather_matmul's variant that returns the gathered
-# x and the column-parallel backward (docs/training-path.md), and the copy-engine reduce-scatter
-# (Config(comm_sms=0)) -- are never picked by backend="auto" (nor tried by the tuner) until they
-# have run and been measured; backend="fused" (or comm_sms=0) runs them. Where auto would have
+# Kernels that have not run on two GPUs yet -- all_gather_matmul's variant that returns the
+# gathered x and the column-parallel backward (docs/training-path.md), the copy-engine
+# reduce-scatter (Config(comm_sms=0)) and the last-dimension reduce-scatter (fused_cols.py) --
+# are never picked by backend="auto" (nor tried by the tuner) until they have run and been
+# measured there (correct so far with two processes sharing one GPU: docs/measurements.md runs
+# 29-30); backend="fused" (or comm_sms=0) runs them. Where auto would have
 # used them it keeps JAX's own collectives (what plain JAX runs).
 # JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto and the tuner in.
 AUTO_NEW_KERNELS = os.environ.get("JAXOVERLAP_AUTO_NEW_KERNELS") == "1"
@@ -177,8 +179,8 @@ def new_kernels_reason():
     if AUTO_NEW_KERNELS:
         return None
     return (
-        "backend='auto': this fused kernel (the all-gather that returns x, or the "
-        "column-parallel backward) has not run on GPUs yet; backend='fused' runs it "
+        "backend='auto': this fused kernel has not been measured on two GPUs yet (it ran "
+        "correct only with two processes sharing one GPU); backend='fused' runs it "
         "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it)"
     )
 
@@ -196,6 +198,13 @@ def unsupported_reason(op, x, w, params, axis_size):
     dim = params.get("gather_dimension" if gather else "scatter_dimension", 0)
     if x.ndim < 2:
         return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
+    if not gather and dim == x.ndim - 1 and op == "matmul_reduce_scatter":
+        from jaxoverlap import fused_cols  # the transposed problem (it imports this module)
+
+        n = int(axis_size)
+        if not 2 <= n <= topology.MAX_GROUP:
+            return f"group size {n} is outside 2..{topology.MAX_GROUP}"
+        return fused_cols.unsupported_reason(x, w, params, n)
     # Any dimension but the last: the custom call takes x (and gives its results) with that
     # dimension major-most (`rows_major`), so each rank's block is contiguous rows of x[..., K]
     # ([B, S, D] split over S: sequence parallelism) -- the same kernel.
@@ -357,6 +366,8 @@ def _ffi_call(target, ctx, x, w, params, attrs):
     layouts = [rows_major(x_aval.shape, d), (0, 1) if colmajor else (1, 0)]
     results = [rows_major(a.shape, d if a.ndim == x_aval.ndim else 0) for a in ctx.avals_out]
     lowering = jax.ffi.ffi_lowering(target, operand_layouts=layouts, result_layouts=results)
+    if target in (GEMM_RS_TARGET, GEMM_AR_TARGET):  # x row-major (fused_cols.py: column-major)
+        attrs = dict(attrs, x_colmajor=0)
     return lowering(ctx, x, w, profile=_profile.get(), w_colmajor=int(colmajor), **attrs)
 
 
@@ -372,6 +383,10 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     runtime.register_targets()
     if op == "matmul_all_reduce":
         return _lower_all_reduce(ctx, x, w, params, table)
+    if op == "matmul_reduce_scatter" and params["scatter_dimension"] == x_aval.ndim - 1:
+        from jaxoverlap import fused_cols
+
+        return fused_cols.lower(ctx, x, w, params, table)
     if op == "all_gather_matmul":
         entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)
         # One chunk per block by default: at tp=2 the own block's GEMM hides the whole copy.

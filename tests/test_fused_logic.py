@@ -107,16 +107,24 @@ def test_reasons(native_ok):
     assert "multiples of 8" in _reason((1024, 500), (500, 768), backend="fused")
     assert "alignment" in _reason((2 * 24, 8), (8, 8), backend="fused")
     assert "outside 2..8" in _reason((1024, 512), (512, 768), n=16, backend="fused")
-    params = dict(axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"))
-    why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2)
-    assert "dimension 1 of x(1024, 512) is N" in why
+    params = dict(
+        axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"), w_colmajor=False
+    )
+    # The last dimension (N): the transposed problem (fused_cols.py), 128-row chunks of N / n.
+    assert fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2) is None
+    why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 400)), params, 2)
+    assert "multiple of 128 rows" in why
+    why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 770)), params, 4)
+    assert "not divisible by the group size 4" in why
+    auto = dict(params, config=Config(backend="auto"))
+    if not fused.AUTO_NEW_KERNELS:
+        why = fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2)
+        assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why and "last dimension" in why
     # A middle dimension: major-most in the custom call's layout, blocks of rows again.
     assert fused.unsupported_reason(OP, _aval((1, 1024, 512)), _aval((512, 768)), params, 2) is None
     assert fused.unsupported_reason(OP, _aval((2, 1024, 512)), _aval((512, 768)), params, 2) is None
-    params_n = dict(params, scatter_dimension=2)  # N: never rows
-    assert "is N, the GEMM's columns" in fused.unsupported_reason(
-        OP, _aval((1, 1024, 512)), _aval((512, 768)), params_n, 2
-    )
+    params_n = dict(params, scatter_dimension=2)  # N of a 3-D x: the transposed problem too
+    assert fused.unsupported_reason(OP, _aval((2, 512, 512)), _aval((512, 768)), params_n, 2) is None
     assert "rank 1" in _reason((512,), (512, 768), backend="fused")
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 

@@ -102,7 +102,7 @@ _BAD_ATTRS_SCRIPT = textwrap.dedent(
     runtime.register_targets()
     good = dict(site=12345, ordinals=np.array(o, np.int32), ranks=np.array([0, 1], np.int32),
                 groups=np.array(o + o, np.int32), n=2, comm_sms=4, chunks=1, timeout_s=5.0,
-                stall_rank=-1, profile=0, call_tag=0)
+                stall_rank=-1, profile=0, call_tag=0, w_colmajor=0, x_colmajor=0)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (512, 1024), jnp.bfloat16),
                        NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jax.random.normal(jax.random.key(1), (1024, 256), jnp.bfloat16) / 32,

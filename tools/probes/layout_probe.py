@@ -23,6 +23,7 @@ ATTRS = dict(
     stall_rank=-1,
     profile=0,
     w_colmajor=1,
+    x_colmajor=0,
 )
 ATTRS = {
     k: (v if not hasattr(v, "shape") else __import__("numpy").asarray(v)) for k, v in ATTRS.items()

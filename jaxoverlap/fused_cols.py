@@ -1,0 +1,106 @@
+"""`matmul_reduce_scatter` over the last dimension of ``x @ w`` (N, the GEMM's columns), fused.
+
+Tensor-parallel code often keeps activations sharded over features: the JAX shard_map tutorial's
+and the scaling book's layers scatter the last dimension. The row-scatter kernel runs it as the
+transposed problem, ``out.T = w.T @ x.T``, whose row blocks are ``out``'s column blocks, with no
+copy on either side of the call:
+
+* ``w.T`` [N, K] is ``w`` read column-major (operand layout ``{0,1}``: XLA passes w as is), or,
+  when w is itself the transpose of a row-major array (``w_colmajor``, as in a backward's
+  ``ct @ w.T``), that array read row-major;
+* ``x.T`` [K, M] is ``x`` ([..., K] flattened to [M, K], row-major) read column-major;
+* the custom call is jaxoverlap_gemm_rs_v1 with ``x_colmajor=1``: its A operand (``w.T``) is
+  column-major, a rank's row block is a block of it with leading dimension N (ffi/gemm_rs_ffi.cc);
+* its result, ``out.T`` [N / n, M] row-major, is declared as ``out`` [M, N / n] column-major, so
+  XLA copies it only where a consumer needs row-major (an elementwise consumer reads it as is).
+
+Everything else -- the schedule, the workspace, the failure path, the tuner's settings (looked up
+for the transposed GEMM, N x K x M) -- is the row-scatter's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax._src.interpreters import mlir
+
+from jaxoverlap import fused, xproc
+
+MIN_CHUNK_ROWS = 128  # a chunk's first row of the column-major w.T stays 256-byte aligned
+
+
+def choose_chunks(m, k, n_cols, requested=None):
+    """`fused.choose_chunks` for the transposed problem (``m`` = N / n rows per rank, ``n_cols``
+    = M), with rows per chunk a multiple of 128 (A column-major: each chunk starts 2 x rows
+    bytes into it)."""
+    options = (requested,) if requested else (4, 2, 1)
+    for c in options:
+        c = fused.choose_chunks(m, k, n_cols, c)
+        if c and (m // c) % MIN_CHUNK_ROWS == 0:
+            return c
+    return None
+
+
+def unsupported_reason(x, w, params, n):
+    """Why the last-dimension reduce-scatter of ``x @ w`` cannot run fused, or None."""
+    m_total, k, n_cols = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    if n_cols % n:
+        return f"N={n_cols} (the scattered last dimension) is not divisible by the group size {n}"
+    if k % 8 or m_total % 8:
+        return f"K={k} and the rows of x ({m_total}) must be multiples of 8"
+    config = params["config"]
+    if choose_chunks(n_cols // n, k, m_total, config.chunks) is None:
+        return (
+            f"alignment: the scattered dimension's block per rank ({n_cols // n}) must split "
+            f"into chunks of a multiple of {MIN_CHUNK_ROWS} rows (the transposed problem)"
+        )
+    comm_sms = config.comm_sms or fused.DEFAULT_COMM_SMS
+    if config.comm_sms == 0:
+        return "the copy-engine reduce-scatter (comm_sms=0) does not scatter the last dimension"
+    if comm_sms > 64:
+        return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
+    if config.backend == "auto":
+        if why := fused.new_kernels_reason():  # not yet run on two GPUs
+            return f"{why} (the last dimension, through the transposed problem)"
+        return fused._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n)
+    return None
+
+
+def lower(ctx, x, w, params, table):
+    """The custom call of the transposed problem (see the module docstring)."""
+    x_aval, w_aval = ctx.avals_in
+    (out_aval,) = ctx.avals_out
+    config = params["config"]
+    n = table.n
+    m_total, k, n_cols = math.prod(x_aval.shape[:-1]), x_aval.shape[-1], w_aval.shape[1]
+    entry = fused.tuned("matmul_reduce_scatter", n_cols, k, m_total, x_aval.dtype, n)
+    setting = (
+        (entry["chunks"], entry["comm_sms"])
+        if entry and entry["chunks"] and entry["comm_sms"]
+        else fused._DEFAULT_SETTING
+    )
+    chunks = choose_chunks(n_cols // n, k, m_total, config.chunks or setting[0])
+    chunks = chunks or choose_chunks(n_cols // n, k, m_total)
+    comm_sms = config.comm_sms or setting[1]
+    target = fused.GEMM_RS_TARGET
+    kind = (target, "cols", tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+    spec = (xproc.spec_bytes(n_cols // n, m_total, x_aval.dtype), True, False)
+    attrs = fused._table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx, spec)
+    a_col = not params["w_colmajor"]  # w.T column-major, unless w is a transpose already
+    attrs.update(profile=fused._profile.get(), w_colmajor=1, x_colmajor=int(a_col))
+    attrs = {a: (np.asarray(v) if isinstance(v, np.ndarray) else v) for a, v in attrs.items()}
+    dtype = x_aval.dtype
+
+    def call(x, w):
+        call = jax.ffi.ffi_call(
+            target,
+            jax.ShapeDtypeStruct((m_total, n_cols // n), dtype),
+            input_layouts=[(1, 0) if a_col else (0, 1), (1, 0)],  # major-to-minor
+            output_layouts=(1, 0),  # out [M, N / n] column-major: out.T row-major
+        )
+        out_t = call(w.T, x.reshape(m_total, k).T, **attrs)
+        return out_t.reshape(out_aval.shape)
+
+    return mlir.lower_fun(call, multiple_results=False)(ctx, x, w)
