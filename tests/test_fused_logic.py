@@ -124,7 +124,8 @@ def test_reasons(native_ok):
     assert fused.unsupported_reason(OP, _aval((1, 1024, 512)), _aval((512, 768)), params, 2) is None
     assert fused.unsupported_reason(OP, _aval((2, 1024, 512)), _aval((512, 768)), params, 2) is None
     params_n = dict(params, scatter_dimension=2)  # N of a 3-D x: the transposed problem too
-    assert fused.unsupported_reason(OP, _aval((2, 512, 512)), _aval((512, 768)), params_n, 2) is None
+    x3 = _aval((2, 512, 512))
+    assert fused.unsupported_reason(OP, x3, _aval((512, 768)), params_n, 2) is None
     assert "rank 1" in _reason((512,), (512, 768), backend="fused")
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
