@@ -59,7 +59,14 @@ def _results(out):
 
 @pytest.mark.parametrize(
     "op",
-    ["matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter_ce"],
+    [
+        "matmul_reduce_scatter",
+        "all_gather_matmul",
+        "matmul_all_reduce",
+        "matmul_reduce_scatter_ce",
+        "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
+        "matmul_reduce_scatter_cols_3d",
+    ],
 )
 def test_ops_across_processes(gpus_any, op, xproc_ops):
     for rank, out in enumerate(xproc_ops):

@@ -215,11 +215,31 @@ def op_cases(mesh, arr, timeout_s):
     ar = op(lambda a, b: jaxoverlap.matmul_all_reduce(a, b, "tp", config=cfg), row, P())
     ag_args = (arr(xa, P("tp", None)), arr(wa, P(None, "tp")))
     ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
+
+    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused_cols.py)
+        return op(
+            lambda a, b: jaxoverlap.matmul_reduce_scatter(
+                a, b, "tp", scatter_dimension=-1, config=cfg
+            ),
+            (spec, P("tp", None)),
+            spec,
+        )
+
+    x3, spec3 = x.reshape(2, M // 2, K), P(None, None, "tp")
+    cols3_args = (arr(x3, spec3), args[1])
     return [
         ("matmul_reduce_scatter", rs(cfg), args, ref, fused.GEMM_RS_TARGET),
         ("matmul_reduce_scatter_ce", rs(ce), args, ref, fused.GEMM_RS_CE_TARGET),
         ("all_gather_matmul", ag, ag_args, ref_ag, fused.AG_GEMM_TARGET),
         ("matmul_all_reduce", ar, args, ref, fused.GEMM_AR_TARGET),
+        ("matmul_reduce_scatter_cols", cols(row[0]), args, ref, fused.GEMM_RS_TARGET),
+        (
+            "matmul_reduce_scatter_cols_3d",
+            cols(spec3),
+            cols3_args,
+            ref.reshape(2, M // 2, N),
+            fused.GEMM_RS_TARGET,
+        ),
     ]
 
 
