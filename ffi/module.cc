@@ -242,7 +242,9 @@ NB_MODULE(_native, m) {
       },
       "[(ordinal, PCI bus id)] of the GPUs visible to this process.");
   auto key = [](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials,
-                bool gather) { return jaxoverlap::WsKey{site, group, block_bytes, partials, gather}; };
+                bool gather) {
+    return jaxoverlap::WsKey{site, group, block_bytes, partials, gather};
+  };
   m.def(
       "ws_export",
       [key](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials, bool gather,
