@@ -11,6 +11,10 @@
 // needs): the copy stream, after its pushes, copies x and then each arrived block from its slot
 // into that output while the GEMMs run; the slots are released only after those copies.
 // `w_colmajor`: w[K, N] is stored column-major (the transpose of a row-major [N, K] array).
+// The variant jaxoverlap_ag_gemm_k_v1 gathers along K (x_p [M, K / n], the contracted dimension):
+// out = sum over p of x_p @ w[rows of block p], with the same pushes and waits; each GEMM adds
+// its block into a float32 scratch (C = D, beta = 1; the first, the own block, overwrites it),
+// rounded once into `out` at the end -- as XLA's single GEMM over the gathered x rounds once.
 #include <string>
 #include <vector>
 
@@ -25,7 +29,8 @@ namespace {
 constexpr const char* kWhat = "jaxoverlap.all_gather_matmul (fused)";
 
 ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, int64_t site,
+                  ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, ffi::AnyBuffer* acc,
+                  int64_t site,
                   ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
                   ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
                   double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
@@ -34,13 +39,29 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   uint64_t timeout_ns = 0;
   if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
   RowGemm g;
-  if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/true, &g); !e.empty())
+  if (acc) {  // along K: x [M, K / n], w [K, N], out [M, N], acc float32 [M, N]; one chunk
+    auto xd = x.dimensions();
+    auto wd = w.dimensions();
+    if (!to_dtype(x.element_type(), &g.dtype) || w.element_type() != x.element_type() ||
+        out->element_type() != x.element_type() || acc->element_type() != ffi::DataType::F32)
+      return invalid(kWhat, "x, w and the result must be bfloat16 or float16, the scratch f32");
+    if (xd.size() < 1 || wd.size() != 2 || wd[0] != n * xd.back() || chunks != 1)
+      return invalid(kWhat, "along K: expected x[..., K / n], w[K, N] and one chunk");
+    g.K = xd.back();
+    g.N = wd[1];
+    g.rows = g.m = g.mc = g.K ? (int64_t)x.element_count() / g.K : 0;
+    if (g.m < 1 || (int64_t)out->element_count() != g.m * g.N ||
+        (int64_t)acc->element_count() != g.m * g.N)
+      return invalid(kWhat, "along K: the result and the scratch must be rows x N");
+  } else if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/true, &g); !e.empty()) {
     return invalid(kWhat, e);
+  }
   const DType dtype = g.dtype;
   const int64_t K = g.K, N = g.N, m = g.m, mc = g.mc;  // m: rows per rank
   const int64_t elt = 2;
-  if ((int64_t)out->element_count() != n * m * N)
+  if (!acc && (int64_t)out->element_count() != n * m * N)
     return invalid(kWhat, "result size is not (group size x rows) x N");
+  if (acc && gathered) return invalid(kWhat, "along K there is no gathered-x result");
   if (gathered && (gathered->element_type() != x.element_type() ||
                    (int64_t)gathered->element_count() != n * m * K))
     return invalid(kWhat, "the gathered-x result is not (group size x rows) x K of x's dtype");
@@ -85,8 +106,17 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
         GemmRunner::alignment(op) < 2 || (gp && GemmRunner::alignment(gp) < 2))
       return invalid(kWhat, "an operand is not aligned to its 2-byte element");
     const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0, w_colmajor != 0};  // whole device
+    float* ap = acc ? static_cast<float*>(acc->untyped_data()) : nullptr;
+    GemmShape k_shape = shape;  // along K: into the f32 sum, B = rows of block `row` of w
+    k_shape.f32_out = true;
+    k_shape.ldb = w_colmajor ? n * K : 0;
     auto gemm = [&](const char* a, int64_t row) -> std::string {
-      return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
+      if (!ap) return dev->gemm.run(shape, a, wp, nullptr, op + row * N * elt, xla_stream);
+      const int64_t source = row / m;
+      GemmShape s = k_shape;
+      s.accumulate = source != rank;  // the own block comes first and overwrites the sum
+      const char* b = static_cast<const char*>(wp) + source * K * (w_colmajor ? 1 : N) * elt;
+      return dev->gemm.run(s, a, b, ap, ap, xla_stream);
     };
 
     // First call of this workspace on this device: drain the device (nothing of ours may spin
@@ -97,14 +127,15 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     bool own_done = false;
     if (!ws->warmed[rank]) {
       CK(cudaDeviceSynchronize());
-      for (int k = 0; k < chunks; ++k)
-        if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
-          return internal(kWhat, e);
       // Also the plan for an A operand in a staging slot (its alignment may differ from x's):
-      // garbage into the rows of the peer block that the real GEMM below overwrites.
+      // garbage into the rows of the peer block that the real GEMM below overwrites (along K:
+      // into the sum, before the own block's GEMM overwrites it).
       const int s = (rank + (int)n - 1) % (int)n;
       const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
       if (std::string e = gemm(slot, s * m); !e.empty()) return internal(kWhat, e);
+      for (int k = 0; k < chunks; ++k)
+        if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
+          return internal(kWhat, e);
       CK(cudaStreamSynchronize(xla_stream));
       ws->warmed[rank] = true;
       own_done = true;
@@ -162,6 +193,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
           return internal(kWhat, e);
       }
     }
+    if (ap) CK(launch_round_f32(op, ap, m * N, dtype, xla_stream));
     if (gp) CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
     if (communicate) CK(launch_release_slots(peers, xla_stream));
     return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
@@ -175,14 +207,20 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                       JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return AgGemm(xla_stream, device, x, w, &*out, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
+  return AgGemm(xla_stream, device, x, w, &*out, nullptr, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
+}
+
+ffi::Error AgGemmKImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> acc, JAXOVERLAP_GEMM_ATTR_PARAMS) {
+  return AgGemm(xla_stream, device, x, w, &*out, nullptr, &*acc, JAXOVERLAP_GEMM_ATTR_ARGS);
 }
 
 ffi::Error AgGemmKeepImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                           ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> gathered,
                           JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, JAXOVERLAP_GEMM_ATTR_ARGS);
+  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
 }
 
 }  // namespace
@@ -207,4 +245,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl
                                       .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
                                       .Ret<xla::ffi::AnyBuffer>()   // out [n * m, ..., N]
                                       .Ret<xla::ffi::AnyBuffer>())  // gathered x [n * m, ..., K]
+                                  .Attr<int64_t>("w_colmajor"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
+                              jaxoverlap::bind_common_attrs(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::DeviceOrdinal>()
+                                      .Arg<xla::ffi::AnyBuffer>()   // x [..., K / n]
+                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
+                                      .Ret<xla::ffi::AnyBuffer>()   // out [..., N]
+                                      .Ret<xla::ffi::AnyBuffer>())  // f32 scratch [rows, N]
                                   .Attr<int64_t>("w_colmajor"));

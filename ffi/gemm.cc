@@ -63,9 +63,9 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
   if (s.b_col) {
     const int32_t op_t = CUBLAS_OP_T;
     LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.k, s.n, s.k));
+    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.k, s.n, s.ldb ? s.ldb : s.k));
   } else {
-    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.n, s.k, s.n));
+    LT(cublasLtMatrixLayoutCreate(&p.la, t, s.n, s.k, s.ldb ? s.ldb : s.n));
   }
   // Likewise a column-major A is cuBLASLt's transposed B.
   if (s.a_col) {
@@ -75,7 +75,7 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
   } else {
     LT(cublasLtMatrixLayoutCreate(&p.lb, t, s.k, s.m, s.k));
   }
-  LT(cublasLtMatrixLayoutCreate(&p.lc, t, s.n, s.m, s.n));
+  LT(cublasLtMatrixLayoutCreate(&p.lc, s.f32_out ? CUDA_R_32F : t, s.n, s.m, s.n));
   cublasLtMatmulPreference_t pref;
   LT(cublasLtMatmulPreferenceCreate(&pref));
   LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,

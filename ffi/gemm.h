@@ -28,8 +28,12 @@ struct GemmShape {
   bool a_col = false;  // A is column-major: element (i, j) at a[j * lda + i]
   int64_t lda = 0;     // a_col: the leading dimension of A (0: m; more for a block of rows of a
                        // taller column-major matrix)
+  bool f32_out = false;  // C and D are float32 (a sum over several GEMMs, rounded once)
+  int64_t ldb = 0;       // the leading dimension of B (0: n, or k if b_col; more for a block of
+                         // rows of a taller column-major B)
   auto key() const {
-    return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col, a_col, lda);
+    return std::make_tuple(m, n, k, (int)dtype, accumulate, sm_count, b_col, a_col, lda, f32_out,
+                           ldb);
   }
 };
 

@@ -24,6 +24,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmArV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsCeV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1);
@@ -165,6 +166,7 @@ nb::dict registrations() {
   d["jaxoverlap_rs_v1"] = stages(JaxoverlapRsV1);
   d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
   d["jaxoverlap_ag_gemm_keep_v1"] = stages(JaxoverlapAgGemmKeepV1);
+  d["jaxoverlap_ag_gemm_k_v1"] = stages(JaxoverlapAgGemmKV1);
   d["jaxoverlap_dgrad_rs_wgrad_v1"] = stages(JaxoverlapDgradRsWgradV1);
   d["jaxoverlap_gemm_rs_ce_v1"] = stages(JaxoverlapGemmRsCeV1);
   d["jaxoverlap_dgrad_rs_wgrad_acc_v1"] = stages(JaxoverlapDgradRsWgradAccV1);

@@ -198,12 +198,14 @@ def unsupported_reason(op, x, w, params, axis_size):
     dim = params.get("gather_dimension" if gather else "scatter_dimension", 0)
     if x.ndim < 2:
         return f"x has rank {x.ndim}: dimension 0 is then K or N, not rows of x[..., K]"
-    if not gather and dim == x.ndim - 1 and op == "matmul_reduce_scatter":
-        from jaxoverlap import fused_cols  # the transposed problem (it imports this module)
+    if dim == x.ndim - 1 and op in ("matmul_reduce_scatter", "all_gather_matmul"):
+        from jaxoverlap import fused_cols  # the last dimension (it imports this module)
 
         n = int(axis_size)
         if not 2 <= n <= topology.MAX_GROUP:
             return f"group size {n} is outside 2..{topology.MAX_GROUP}"
+        if gather:
+            return fused_cols.unsupported_reason_k(x, w, params, n)
         return fused_cols.unsupported_reason(x, w, params, n)
     # Any dimension but the last: the custom call takes x (and gives its results) with that
     # dimension major-most (`rows_major`), so each rank's block is contiguous rows of x[..., K]
@@ -383,9 +385,11 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     runtime.register_targets()
     if op == "matmul_all_reduce":
         return _lower_all_reduce(ctx, x, w, params, table)
-    if op == "matmul_reduce_scatter" and params["scatter_dimension"] == x_aval.ndim - 1:
+    if row_dim(params) == x_aval.ndim - 1 and op != "matmul_all_reduce":
         from jaxoverlap import fused_cols
 
+        if op == "all_gather_matmul":
+            return fused_cols.lower_k(ctx, x, w, params, table, keep_gathered)
         return fused_cols.lower(ctx, x, w, params, table)
     if op == "all_gather_matmul":
         entry = tuned(op, m_total * table.n, k, n_cols, x_aval.dtype, table.n)

@@ -1,4 +1,5 @@
-"""`matmul_reduce_scatter` over the last dimension of ``x @ w`` (N, the GEMM's columns), fused.
+"""The ops over the last dimension, fused: `matmul_reduce_scatter` scattering N (the GEMM's
+columns) and `all_gather_matmul` gathering K (the contracted dimension).
 
 Tensor-parallel code often keeps activations sharded over features: the JAX shard_map tutorial's
 and the scaling book's layers scatter the last dimension. The row-scatter kernel runs it as the
@@ -16,6 +17,13 @@ copy on either side of the call:
 
 Everything else -- the schedule, the workspace, the failure path, the tuner's settings (looked up
 for the transposed GEMM, N x K x M) -- is the row-scatter's.
+
+Gathering K (``all_gather(x, axis=-1) @ w``, x [..., K / n], the JAX docs' layout) is
+``sum_p x_p @ w[K-block p]``: jaxoverlap_ag_gemm_k_v1 (ffi/ag_ffi.cc) pushes the blocks by copy
+engine as the row gather does, starts with the own block's GEMM at once and adds each arriving
+block's GEMM into a float32 scratch (an extra XLA result, no memory held between calls), rounded
+once at the end -- as XLA's single GEMM rounds once, not once per block. Forward only: the
+variant that also returns the gathered x (a trained weight's dW) is not fused along K.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import math
 
 import jax
 import numpy as np
+from jax._src import core
 from jax._src.interpreters import mlir
 
 from jaxoverlap import fused, xproc
@@ -66,6 +75,50 @@ def unsupported_reason(x, w, params, n):
             return f"{why} (the last dimension, through the transposed problem)"
         return fused._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n)
     return None
+
+
+AG_K_TARGET = "jaxoverlap_ag_gemm_k_v1"
+
+
+def unsupported_reason_k(x, w, params, n):
+    """Why the all-gather along K of ``all_gather(x, -1) @ w`` cannot run fused, or None."""
+    m_total, k, n_cols = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
+    if k % 8 or n_cols % 8 or (k // n) % 8:
+        return f"K={k}, K / n={k // n} and N={n_cols} must be multiples of 8"
+    if m_total == 0:
+        return "x has no rows"
+    config = params["config"]
+    if config.backend == "auto":
+        if why := fused.new_kernels_reason():  # not yet run on two GPUs
+            return f"{why} (the all-gather along K)"
+        return fused._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n)
+    return None
+
+
+def lower_k(ctx, x, w, params, table, keep_gathered):
+    """The custom call of the all-gather along K: x as is, w row- or column-major, results
+    out [..., N] and the float32 scratch (dropped)."""
+    if keep_gathered:
+        raise fused.FusedUnavailable(
+            "along K, the all-gather that also returns x (for a trained weight's dW) is not fused"
+        )
+    x_aval, w_aval = ctx.avals_in
+    m_total, kl = math.prod(x_aval.shape[:-1]), x_aval.shape[-1]
+    config = params["config"]
+    kind = (AG_K_TARGET, *fused._operands_kind(x_aval, w_aval, params))
+    spec = (xproc.spec_bytes(m_total, kl, x_aval.dtype), False, False)  # x's block
+    attrs = fused._table_attrs(table, 0, 1, config.timeout_s, kind, ctx, spec)
+    colmajor = bool(params["w_colmajor"])
+    row = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731  (minor-to-major)
+    scratch = core.ShapedArray((m_total, w_aval.shape[1]), np.float32)
+    call = jax.ffi.ffi_lowering(
+        AG_K_TARGET,
+        operand_layouts=[row(x_aval), (0, 1) if colmajor else (1, 0)],
+        result_layouts=[row(a) for a in ctx.avals_out] + [(1, 0)],
+    )
+    inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
+    results = call(inner, x, w, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs)
+    return list(results)[: len(ctx.avals_out)]
 
 
 def lower(ctx, x, w, params, table):

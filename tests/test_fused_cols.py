@@ -105,3 +105,51 @@ def test_row_scatter_calls_say_x_is_row_major(lowering_only, monkeypatch):
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     (call,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]
     assert "x_colmajor = 0" in call
+
+
+def _lower_k(x_shape, w_shape, cfg, grad=False):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def body(x, w):
+        return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=-1, config=cfg)
+
+    spec = P(*([None] * (len(x_shape) - 1)), "tp")
+    f = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp")), out_specs=spec)
+    if grad:  # a trained weight: the forward is the variant that returns the gathered x
+        op = f
+        f = jax.grad(lambda x, w: jnp.sum(op(x, w).astype(jnp.float32)), argnums=(0, 1))
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+    return jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("x_shape", [(1024, 2 * 256), (2, 512, 2 * 256)])
+def test_gather_along_k_is_one_call_with_a_float32_sum(lowering_only, monkeypatch, x_shape):
+    from jaxoverlap import fused_cols
+
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    text = _lower_k(x_shape, (2 * 256, 2 * 384), Config(backend="fused"))
+    (call,) = [ln for ln in text.splitlines() if f"@{fused_cols.AG_K_TARGET}" in ln]
+    assert "all_gather" not in text
+    local = "x".join(map(str, (*x_shape[:-1], 256)))
+    out = "x".join(map(str, (*x_shape[:-1], 384)))
+    m = int(np.prod(x_shape[:-1]))
+    want = (
+        f"(tensor<{local}xbf16>, tensor<512x384xbf16>) -> (tensor<{out}xbf16>, tensor<{m}x384xf32>)"
+    )
+    assert want in call, call
+    assert "chunks = 1" in call and "comm_sms = 0" in call
+
+
+def test_gather_along_k_with_a_trained_weight(lowering_only, monkeypatch):
+    """dW needs the gathered x: that variant is not fused along K -- backend="fused" says so,
+    "auto" (opted in) keeps XLA's all-gather."""
+    from jaxoverlap import fused_cols
+
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    with pytest.raises(ValueError, match="along K, the all-gather that also returns x"):
+        _lower_k((1024, 512), (512, 768), Config(backend="fused"), grad=True)
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused, "_auto_reason", lambda *a: None)
+    text = _lower_k((1024, 512), (512, 768), Config(backend="auto"), grad=True)
+    assert f"@{fused_cols.AG_K_TARGET}" not in text and "all_gather" in text

@@ -107,7 +107,26 @@ __global__ void sum_blocks_kernel(T* out, const T* own, const T* blocks, int cou
   }
 }
 
+template <typename T>
+__global__ void round_f32_kernel(T* out, const float* in, int64_t elems) {
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < elems; i += step)
+    out[i] = (T)in[i];
+}
+
 }  // namespace
+
+cudaError_t launch_round_f32(void* out, const float* in, int64_t elems, DType dtype,
+                             cudaStream_t stream) {
+  const int threads = 256;
+  const int grid = (int)std::min<int64_t>((elems + threads - 1) / threads, 132 * 8);
+  if (dtype == DType::kBF16)
+    round_f32_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(out), in, elems);
+  else
+    round_f32_kernel<__half><<<grid, threads, 0, stream>>>(static_cast<__half*>(out), in, elems);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, int count,
                               int64_t stride, int64_t elems, DType dtype, int sms,
@@ -132,7 +151,9 @@ cudaError_t preload_ce_kernels() {
                        (const void*)ce_signal_arrival_kernel,
                        (const void*)ce_wait_arrival_kernel,
                        (const void*)sum_blocks_kernel<__nv_bfloat16>,
-                       (const void*)sum_blocks_kernel<__half>};
+                       (const void*)sum_blocks_kernel<__half>,
+                       (const void*)round_f32_kernel<__nv_bfloat16>,
+                       (const void*)round_f32_kernel<__half>};
   for (const void* f : fns)
     if (cudaError_t e = cudaFuncGetAttributes(&attr, f)) return e;
   return cudaSuccess;

@@ -185,7 +185,7 @@ def op_cases(mesh, arr, timeout_s):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused
+    from jaxoverlap import Config, fused, fused_cols
 
     rng = np.random.default_rng(0)
 
@@ -227,6 +227,16 @@ def op_cases(mesh, arr, timeout_s):
 
     x3, spec3 = x.reshape(2, M // 2, K), P(None, None, "tp")
     cols3_args = (arr(x3, spec3), args[1])
+
+    def ag_k(spec):  # gather_dimension=-1: x [..., K / n] gathered along K, a float32 sum
+        return op(
+            lambda a, b: jaxoverlap.all_gather_matmul(a, b, "tp", gather_dimension=-1, config=cfg),
+            (spec, P(None, "tp")),
+            spec,
+        )
+
+    k_args = (args[0], arr(w, P(None, "tp")))
+    k3_args = (cols3_args[0], k_args[1])
     return [
         ("matmul_reduce_scatter", rs(cfg), args, ref, fused.GEMM_RS_TARGET),
         ("matmul_reduce_scatter_ce", rs(ce), args, ref, fused.GEMM_RS_CE_TARGET),
@@ -239,6 +249,14 @@ def op_cases(mesh, arr, timeout_s):
             cols3_args,
             ref.reshape(2, M // 2, N),
             fused.GEMM_RS_TARGET,
+        ),
+        ("all_gather_matmul_k", ag_k(row[0]), k_args, ref, fused_cols.AG_K_TARGET),
+        (
+            "all_gather_matmul_k_3d",
+            ag_k(spec3),
+            k3_args,
+            ref.reshape(2, M // 2, N),
+            fused_cols.AG_K_TARGET,
         ),
     ]
 
