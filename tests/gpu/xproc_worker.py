@@ -55,7 +55,7 @@ def main(process, nproc, port, gpu, mode):
 
     dump = os.environ.get("XPROC_DUMP")
 
-    def check(tag, f, args, ref, target):
+    def check(tag, f, args, ref, target, host=None):
         try:
             text = f.lower(*args).compile().as_text()
             assert target in text, f"{target} not in the compiled HLO"
@@ -66,6 +66,15 @@ def main(process, nproc, port, gpu, mode):
             want = ref[idx]
             err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
             assert np.isfinite(got).all() and err < 2e-2, f"relative error {err:.2e}"
+            if host is not None:
+                # Along K, rounded once like XLA's single GEMM over the gathered x: compare the
+                # bits with that GEMM on this device (x whole, this rank's columns of w).
+                xs, ws_ = host
+                local = jax.jit(jnp.matmul)(xs, ws_[:, idx[-1]])
+                mine_bits = np.asarray(y.addressable_shards[0].data).view(np.uint16)
+                same = float(np.mean(np.asarray(local).view(np.uint16) == mine_bits))
+                print(f"{tag}_bits same_as_one_gemm={same:.4f}", flush=True)
+                assert same > 0.9, f"only {same:.3f} of the elements equal XLA's single GEMM"
             if dump:  # the raw bits, for the comparison with one process (test_xproc_gpu.py)
                 bits = np.asarray(y.addressable_shards[0].data).view(np.uint16)
                 np.save(os.path.join(dump, f"{tag}.{process}.npy"), bits)
@@ -76,7 +85,7 @@ def main(process, nproc, port, gpu, mode):
 
     timeout_s = float(os.environ.get("XPROC_TIMEOUT_S", "60"))
     cases = op_cases(mesh, arr, timeout_s)
-    _, rs_fn, args_rs, _, _ = cases[0]
+    _, rs_fn, args_rs, *_ = cases[0]
     rand = np.random.default_rng(1)
     M, K = args_rs[0].shape
     if mode == "absent":
@@ -93,7 +102,7 @@ def main(process, nproc, port, gpu, mode):
             time.sleep(float(os.environ["JAXOVERLAP_SETUP_TIMEOUT_S"]) + 10)
         return
     if mode == "stall":
-        _, f, _, _, _ = op_cases(mesh, arr, 3.0)[0]
+        _, f, *_ = op_cases(mesh, arr, 3.0)[0]
         c = f.lower(*args_rs).compile()
         if process == 1:
             time.sleep(20)  # compiled, never run: process 0's waits must time out
@@ -169,15 +178,17 @@ def main(process, nproc, port, gpu, mode):
         from tests.gpu import xproc_training
 
         xproc_training.run(mesh, arr)
-        return
+    else:  # ops: each fused op (forward), every case reported.
+        for case in cases:
+            check(*case)
+    # Process 0 hosts the coordinator: its exit would stop the others before they report.
+    from jax._src import distributed
 
-    # ops: each fused op (forward), every case reported.
-    for case in cases:
-        check(*case)
+    distributed.global_state.client.wait_at_barrier("xproc/done", 120_000)
 
 
 def op_cases(mesh, arr, timeout_s):
-    """[(tag, jitted fn, args, float32 reference, target)]: each fused op with
+    """[(tag, jitted fn, args, float32 reference, target[, host x and w])]: each fused op with
     ``backend="fused"`` on random bf16 inputs (seed 0: the same in every process, and in a
     one-process run of a mesh of the same shape). ``arr(a, spec)``: the global array of ``a``."""
     import jax
@@ -250,13 +261,14 @@ def op_cases(mesh, arr, timeout_s):
             ref.reshape(2, M // 2, N),
             fused.GEMM_RS_TARGET,
         ),
-        ("all_gather_matmul_k", ag_k(row[0]), k_args, ref, fused_cols.AG_K_TARGET),
+        ("all_gather_matmul_k", ag_k(row[0]), k_args, ref, fused_cols.AG_K_TARGET, (x, w)),
         (
             "all_gather_matmul_k_3d",
             ag_k(spec3),
             k3_args,
             ref.reshape(2, M // 2, N),
             fused_cols.AG_K_TARGET,
+            (x3, w),
         ),
     ]
 
