@@ -66,6 +66,8 @@ def _results(out):
         "matmul_reduce_scatter_ce",
         "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
         "matmul_reduce_scatter_cols_3d",
+        "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
+        "all_gather_matmul_k_3d",
     ],
 )
 def test_ops_across_processes(gpus_any, op, xproc_ops):
