@@ -50,9 +50,14 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     g.K = xd.back();
     g.N = wd[1];
     g.rows = g.m = g.mc = g.K ? (int64_t)x.element_count() / g.K : 0;
-    if (g.m < 1 || (int64_t)out->element_count() != g.m * g.N ||
+    if (g.m < 1 || g.N < 1 || (int64_t)out->element_count() != g.m * g.N ||
         (int64_t)acc->element_count() != g.m * g.N)
-      return invalid(kWhat, "along K: the result and the scratch must be rows x N");
+      return invalid(kWhat, "along K: the result and the scratch must be rows x N, not empty");
+    // Every source's operands as aligned as the own block's (the warm-up plans one source only):
+    // the staging slots (rows x K / n each) and w's blocks of K / n rows.
+    if ((g.m * g.K) % 128 || (w_colmajor ? g.K : g.K * g.N) % 128)
+      return invalid(kWhat, "along K: rows x K / n and w's block of K / n rows must be "
+                            "multiples of 128 elements");
   } else if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/true, &g); !e.empty()) {
     return invalid(kWhat, e);
   }

@@ -24,7 +24,7 @@ struct GemmShape {
   DType dtype;
   bool accumulate;  // D = A.B + C (beta = 1) instead of D = A.B
   int sm_count;     // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET (0: whole device)
-  bool b_col;       // B is column-major: element (i, j) at b[j * k + i]
+  bool b_col;       // B is column-major: element (i, j) at b[j * ldb + i] (ldb: k by default)
   bool a_col = false;  // A is column-major: element (i, j) at a[j * lda + i]
   int64_t lda = 0;     // a_col: the leading dimension of A (0: m; more for a block of rows of a
                        // taller column-major matrix)

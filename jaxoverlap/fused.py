@@ -168,7 +168,7 @@ _FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 # reduce-scatter (Config(comm_sms=0)) and the last-dimension reduce-scatter (fused_cols.py) --
 # are never picked by backend="auto" (nor tried by the tuner) until they have run and been
 # measured there (correct so far with two processes sharing one GPU: docs/measurements.md runs
-# 29-30); backend="fused" (or comm_sms=0) runs them. Where auto would have
+# 29-30, 35-36); backend="fused" (or comm_sms=0) runs them. Where auto would have
 # used them it keeps JAX's own collectives (what plain JAX runs).
 # JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto and the tuner in.
 AUTO_NEW_KERNELS = os.environ.get("JAXOVERLAP_AUTO_NEW_KERNELS") == "1"

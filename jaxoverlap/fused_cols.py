@@ -55,6 +55,8 @@ def choose_chunks(m, k, n_cols, requested=None):
 def unsupported_reason(x, w, params, n):
     """Why the last-dimension reduce-scatter of ``x @ w`` cannot run fused, or None."""
     m_total, k, n_cols = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    if not (m_total and k and n_cols):
+        return f"an empty operand: x{tuple(x.shape)}, w{tuple(w.shape)}"
     if n_cols % n:
         return f"N={n_cols} (the scattered last dimension) is not divisible by the group size {n}"
     if k % 8 or m_total % 8:
@@ -83,10 +85,19 @@ AG_K_TARGET = "jaxoverlap_ag_gemm_k_v1"
 def unsupported_reason_k(x, w, params, n):
     """Why the all-gather along K of ``all_gather(x, -1) @ w`` cannot run fused, or None."""
     m_total, k, n_cols = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
+    if not (m_total and k and n_cols):
+        return f"an empty operand: x{tuple(x.shape)}, w{tuple(w.shape)}"
     if k % 8 or n_cols % 8 or (k // n) % 8:
         return f"K={k}, K / n={k // n} and N={n_cols} must be multiples of 8"
-    if m_total == 0:
-        return "x has no rows"
+    kl = k // n
+    # Every source's operands 256-byte aligned like the own block's (the handler's warm-up picks
+    # the GEMM plans for one source only): x blocks in the staging slots, w's rows of each block.
+    w_block = kl if params.get("w_colmajor") else kl * n_cols
+    if (m_total * kl) % 128 or w_block % 128:
+        return (
+            f"alignment: rows x K / n ({m_total} x {kl}) and w's block of K / n rows must be "
+            f"multiples of 128 elements"
+        )
     config = params["config"]
     if config.backend == "auto":
         if why := fused.new_kernels_reason():  # not yet run on two GPUs
@@ -138,7 +149,9 @@ def lower(ctx, x, w, params, table):
     chunks = chunks or choose_chunks(n_cols // n, k, m_total)
     comm_sms = config.comm_sms or setting[1]
     target = fused.GEMM_RS_TARGET
-    kind = (target, "cols", tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype))
+    # w's layout too (fused._operands_kind): the forward (A column-major) and a backward's
+    # (A = a transposed weight, row-major) must not share a workspace's warm-up.
+    kind = (target, "cols", *fused._operands_kind(x_aval, w_aval, params))
     spec = (xproc.spec_bytes(n_cols // n, m_total, x_aval.dtype), True, False)
     attrs = fused._table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx, spec)
     a_col = not params["w_colmajor"]  # w.T column-major, unless w is a transpose already

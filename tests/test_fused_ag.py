@@ -23,11 +23,11 @@ def _aval(shape, dtype=jnp.bfloat16):
 
 
 def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, dim=0, **cfg):
-    params = dict(axis_name=("tp",), gather_dimension=dim, config=Config(**cfg))
+    params = dict(axis_name=("tp",), gather_dimension=dim, config=Config(**cfg), w_colmajor=False)
     return fused.unsupported_reason(OP, _aval(x_shape, dtype), _aval(w_shape, dtype), params, n)
 
 
-def test_reasons(native_ok):
+def test_reasons(native_ok, monkeypatch):
     assert _reason((512, 512), (512, 768), backend="fused") is None
     # rows of x per rank need not be divisible by the group size (they are gathered, not split)
     assert _reason((3 * 128, 512), (512, 768), n=3, backend="fused") is None
@@ -43,8 +43,9 @@ def test_reasons(native_ok):
     # K (fused_cols.py: a float32 sum of the blocks' GEMMs); auto only when opted in
     assert _reason((4, 384, 64), (128, 512), dim=2, backend="fused") is None
     assert "K / n=4" in _reason((4, 384, 4), (8, 512), dim=2, backend="fused")
-    if not fused.AUTO_NEW_KERNELS:
-        assert "along K" in _reason((4, 384, 64), (128, 512), dim=2)
+    assert "alignment" in _reason((1, 3, 8), (16, 512), dim=2, backend="fused")  # 3 x 8
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    assert "along K" in _reason((4, 384, 64), (128, 512), dim=2)
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
 

@@ -56,7 +56,7 @@ def test_transposed_weight_is_read_row_major(lowering_only, monkeypatch):
     monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
     monkeypatch.setattr(fused, "_auto_reason", lambda *a: None)  # "measured faster"
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    cfg = Config(backend="auto")  # the K-gather itself has no kernel: "fused" would raise
+    cfg = Config(backend="auto")  # "fused" would raise: no fused variant returning x along K
 
     def body(x, w):
         return jaxoverlap.all_gather_matmul(x, w, "tp", gather_dimension=-1, config=cfg)

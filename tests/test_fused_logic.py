@@ -78,7 +78,7 @@ def test_cuda_lowering_of_all_reduce_is_one_fused_call(lowering_only, x_shape, c
     want_chunks, want_sms = (chunks, comm_sms) if chunks else fused._DEFAULT_SETTING
     assert f"chunks = {want_chunks}" in call and f"comm_sms = {want_sms}" in call
     assert "timeout_s = 7.0" in call and "stall_rank = -1" in call
-    assert "w_colmajor = 0" in call
+    assert "w_colmajor = 0" in call and "x_colmajor = 0" in call  # the handler binds both
 
 
 def test_all_reduce_stall_knob_reaches_its_call_only(lowering_only):
@@ -100,7 +100,7 @@ def test_all_reduce_stall_knob_reaches_its_call_only(lowering_only):
     assert "stall_rank = 1" in ar and "stall_rank = -1" in rs
 
 
-def test_reasons(native_ok):
+def test_reasons(native_ok, monkeypatch):
     assert _reason((1024, 512), (512, 768), backend="fused") is None
     assert _reason((4, 384, 512), (512, 512), backend="fused") is None
     assert "float32" in _reason((1024, 512), (512, 768), dtype=jnp.float32, backend="fused")
@@ -117,9 +117,11 @@ def test_reasons(native_ok):
     why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 770)), params, 4)
     assert "not divisible by the group size 4" in why
     auto = dict(params, config=Config(backend="auto"))
-    if not fused.AUTO_NEW_KERNELS:
-        why = fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2)
-        assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why and "last dimension" in why
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    why = fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2)
+    assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why and "last dimension" in why
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    assert fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2) is None
     # A middle dimension: major-most in the custom call's layout, blocks of rows again.
     assert fused.unsupported_reason(OP, _aval((1, 1024, 512)), _aval((512, 768)), params, 2) is None
     assert fused.unsupported_reason(OP, _aval((2, 1024, 512)), _aval((512, 768)), params, 2) is None

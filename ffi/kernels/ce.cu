@@ -118,6 +118,7 @@ __global__ void round_f32_kernel(T* out, const float* in, int64_t elems) {
 
 cudaError_t launch_round_f32(void* out, const float* in, int64_t elems, DType dtype,
                              cudaStream_t stream) {
+  if (elems < 1) return cudaSuccess;
   const int threads = 256;
   const int grid = (int)std::min<int64_t>((elems + threads - 1) / threads, 132 * 8);
   if (dtype == DType::kBF16)
