@@ -143,3 +143,26 @@ def test_matmul_all_reduce_smoke(tmp_path):
     assert all(c["ok"] for c in row["check"].values())
     assert row["auto_picks"] == "xla"  # no fused kernel on CPU
     assert doc["geomean"]["jaxoverlap_over_xla"] > 0
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_processes_smoke(tmp_path, processes):
+    """benchmarks/processes.py in one process (2 fake devices) and under the launcher (2
+    processes x 1 device, gloo): rows with the `processes` field, checked results."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    script = [os.path.join(ROOT, "benchmarks", "processes.py"), *FAST, "--out", str(tmp_path)]
+    cmd = [sys.executable, *script]
+    if processes == 2:
+        launch = ["-m", "jaxoverlap.launch", "-n", "2", "--devices-per-process", "1"]
+        cmd = [sys.executable, *launch, "--timeout", "100", *script]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = load(tmp_path, f"processes_2x{processes}p_cpu_smoke")
+    (row,) = doc["rows"]
+    assert doc["processes"] == row["processes"] == processes
+    assert (row["M"], row["K_local"], row["N"], row["tp"]) == (64, 32, 48, 2)
+    assert all(row["ms"][m] > 0 for m in ("gemm_only", "xla", "rs_only", "jaxoverlap"))
+    assert all(c["ok"] for c in row["check"].values()) and set(row["check"]) == {
+        "xla",
+        "jaxoverlap",
+    }

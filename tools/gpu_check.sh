@@ -118,6 +118,11 @@ if ((BENCH)); then
   step bench-rs-bw 80 "$PY" benchmarks/rs_bandwidth.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
   step bench-ag-gemm 150 "$PY" benchmarks/all_gather_matmul.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
   step bench-gemm-ar 120 "$PY" benchmarks/matmul_all_reduce.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
+  # Issue 11: the fused call with its group over 2 processes (1 GPU each) and over 1 process.
+  step bench-processes-2 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m jaxoverlap.launch \
+    -n 2 --devices-per-process 1 --timeout 140 benchmarks/processes.py --out "$RESULTS" \
+    "${BENCH_FLAGS[@]}"
+  step bench-processes-1 120 "$PY" benchmarks/processes.py --out "$RESULTS" "${BENCH_FLAGS[@]}"
 fi
 if ((STRESS)); then
   step stress 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/stress.py
