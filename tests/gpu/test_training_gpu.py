@@ -8,15 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxoverlap
 from jaxoverlap import Config, fused, fused_backward
 
 from .scripts import run_script
 from .test_ag_gemm_gpu import assert_w_transposes_are_free
+from .training_models import grads, mlp_step, scanned_train
 
 pytestmark = pytest.mark.gpu
 
@@ -37,16 +36,6 @@ def _put(mesh, a, spec):
     return jax.device_put(a, NamedSharding(mesh, spec))
 
 
-def _grads(mesh, op, config, x_spec, w_spec, out_spec):
-    def body(x, w):
-        if op == "ag":
-            return jaxoverlap.all_gather_matmul(x, w, "tp", config=config)
-        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
-    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32))), (0, 1)))
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows", [(2 * 1536,), (2, 384)])
 def test_column_parallel_backward(gpus, dtype, rows):
@@ -58,13 +47,13 @@ def test_column_parallel_backward(gpus, dtype, rows):
     x = _put(mesh, jax.random.normal(kx, (*rows, k)).astype(dtype), P("tp"))
     w = _put(mesh, (jax.random.normal(kw, (k, 2 * n_local)) / 32).astype(dtype), P(None, "tp"))
     out_spec = P(*([None] * len(rows)), "tp")
-    fused_grads = _grads(mesh, "ag", FUSED, P("tp"), P(None, "tp"), out_spec)
+    fused_grads = grads(mesh, "ag", FUSED, P("tp"), P(None, "tp"), out_spec)
     hlo = fused_grads.lower(x, w).compile().as_text()
     assert hlo.count(f'custom_call_target="{fused_backward.TARGET}"') == 1
     assert hlo.count(f'custom_call_target="{fused.AG_GEMM_KEEP_TARGET}"') == 1
     assert "reduce-scatter" not in hlo and "all-gather" not in hlo
     assert_w_transposes_are_free(hlo, expected=1)
-    want = _grads(mesh, "ag", XLA, P("tp"), P(None, "tp"), out_spec)(x, w)
+    want = grads(mesh, "ag", XLA, P("tp"), P(None, "tp"), out_spec)(x, w)
     got = fused_grads(x, w)
     for name, a, b in zip(("dx", "dW"), got, want, strict=True):
         _close(a, b, dtype, name)
@@ -92,22 +81,10 @@ def test_batch_by_sequence_split_over_sequence(gpus):
         mesh, (jax.random.normal(keys[2], (2 * f_local, d)) / 50).astype(jnp.bfloat16), P("tp")
     )
 
-    def step(config):
-        def mlp(x, w1, w2):
-            h = jaxoverlap.all_gather_matmul(x, w1, "tp", gather_dimension=1, config=config)
-            return jaxoverlap.matmul_reduce_scatter(
-                jax.nn.gelu(h), w2, "tp", scatter_dimension=1, config=config
-            )
-
-        specs = (P(None, "tp"), P(None, "tp"), P("tp"))
-        f = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
-        loss = lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))  # noqa: E731
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-
-    fused_step = step(FUSED)
+    fused_step = mlp_step(mesh, FUSED)
     hlo = fused_step.lower(x, w1, w2).compile().as_text()
     assert "all-gather" not in hlo and "reduce-scatter" not in hlo
-    (l1, g1), (l2, g2) = fused_step(x, w1, w2), step(XLA)(x, w1, w2)
+    (l1, g1), (l2, g2) = fused_step(x, w1, w2), mlp_step(mesh, XLA)(x, w1, w2)
     assert abs(float(l1) - float(l2)) <= 3e-2 * abs(float(l2)) + 1e-3
     for name, a, b_ in zip(("dx", "dW1", "dW2"), g1, g2, strict=True):
         _close(a, b_, jnp.bfloat16, name)
@@ -121,12 +98,12 @@ def test_row_parallel_backward(gpus):
     kx, kw = jax.random.split(jax.random.key(4))
     x = _put(mesh, jax.random.normal(kx, (m, 2 * k_local)).astype(jnp.bfloat16), P(None, "tp"))
     w = _put(mesh, (jax.random.normal(kw, (2 * k_local, n)) / 45).astype(jnp.bfloat16), P("tp"))
-    fused_grads = _grads(mesh, "rs", FUSED, P(None, "tp"), P("tp"), P("tp"))
+    fused_grads = grads(mesh, "rs", FUSED, P(None, "tp"), P("tp"), P("tp"))
     hlo = fused_grads.lower(x, w).compile().as_text()
     assert hlo.count(f'custom_call_target="{fused.AG_GEMM_KEEP_TARGET}"') == 1
     assert "all-gather" not in hlo
     assert_w_transposes_are_free(hlo, expected=1)
-    want = _grads(mesh, "rs", XLA, P(None, "tp"), P("tp"), P("tp"))(x, w)
+    want = grads(mesh, "rs", XLA, P(None, "tp"), P("tp"), P("tp"))(x, w)
     for name, a, b in zip(("dx", "dW"), fused_grads(x, w), want, strict=True):
         _close(a, b, jnp.bfloat16, name)
 
@@ -149,38 +126,13 @@ def test_scanned_mlp_training_steps(gpus):
         P(None, "tp"),
     )
 
-    def train(config):
-        def model(x, w1, w2):
-            def layer(h, ws):
-                u = jaxoverlap.all_gather_matmul(h, ws[0], "tp", config=config)
-                return h + jaxoverlap.matmul_reduce_scatter(
-                    jax.nn.gelu(u), ws[1], "tp", config=config
-                ), None
-
-            return lax.scan(layer, x, (w1, w2))[0]
-
-        f = jax.shard_map(
-            model,
-            mesh=mesh,
-            in_specs=(P("tp"), P(None, None, "tp"), P(None, "tp")),
-            out_specs=P("tp"),
-        )
-
-        def step(ws, _):
-            loss, g = jax.value_and_grad(
-                lambda ws: jnp.mean(jnp.square(f(x, *ws).astype(jnp.float32)))
-            )(ws)
-            return jax.tree.map(lambda p, g: p - 0.5 * g.astype(p.dtype), ws, g), loss
-
-        return jax.jit(lambda ws: lax.scan(step, ws, None, length=3))
-
-    fused_train = train(FUSED)
-    hlo = fused_train.lower((w1, w2)).compile().as_text()
+    fused_train = scanned_train(mesh, FUSED)
+    hlo = fused_train.lower(x, w1, w2).compile().as_text()
     assert "all-gather" not in hlo and "reduce-scatter" not in hlo
     assert f'custom_call_target="{fused_backward.TARGET}"' in hlo
     assert_w_transposes_are_free(hlo)  # w sliced from the stacked weights inside the loop
-    (fw1, fw2), flosses = fused_train((w1, w2))
-    (xw1, xw2), xlosses = train(XLA)((w1, w2))
+    (fw1, fw2), flosses = fused_train(x, w1, w2)
+    (xw1, xw2), xlosses = scanned_train(mesh, XLA)(x, w1, w2)
     np.testing.assert_allclose(np.asarray(flosses), np.asarray(xlosses), rtol=3e-2)
     _close(fw1, xw1, jnp.bfloat16, "w1")
     _close(fw2, xw2, jnp.bfloat16, "w2")

@@ -9,66 +9,21 @@ from __future__ import annotations
 
 import os
 import traceback
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import Config, fused, fused_backward
+from tests.gpu import training_models
 
 FUSED = Config(backend="fused", timeout_s=60.0)
 XLA = Config(backend="xla")
 TOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 3e-3}
-
-
-def _grads(mesh, op, config, x_spec, w_spec, out_spec):
-    def body(x, w):
-        if op == "ag":
-            return jaxoverlap.all_gather_matmul(x, w, "tp", config=config)
-        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
-    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32))), (0, 1)))
-
-
-def _mlp_step(mesh, config):
-    def mlp(x, w1, w2):
-        h = jaxoverlap.all_gather_matmul(x, w1, "tp", gather_dimension=1, config=config)
-        return jaxoverlap.matmul_reduce_scatter(
-            jax.nn.gelu(h), w2, "tp", scatter_dimension=1, config=config
-        )
-
-    specs = (P(None, "tp"), P(None, "tp"), P("tp"))
-    f = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
-    loss = lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))  # noqa: E731
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-
-def _train(mesh, config):
-    def model(x, w1, w2):
-        def layer(h, ws):
-            u = jaxoverlap.all_gather_matmul(h, ws[0], "tp", config=config)
-            return h + jaxoverlap.matmul_reduce_scatter(
-                jax.nn.gelu(u), ws[1], "tp", config=config
-            ), None
-
-        return lax.scan(layer, x, (w1, w2))[0]
-
-    specs = (P("tp"), P(None, None, "tp"), P(None, "tp"))
-    f = jax.shard_map(model, mesh=mesh, in_specs=specs, out_specs=P("tp"))
-
-    def run(x, w1, w2):
-        def step(ws, _):
-            g = jax.grad(lambda ws: jnp.mean(jnp.square(f(x, *ws).astype(jnp.float32))))(ws)
-            return jax.tree.map(lambda p, g: p - 0.5 * g.astype(p.dtype), ws, g), None
-
-        return lax.scan(step, (w1, w2), None, length=3)[0]
-
-    return jax.jit(run)
 
 
 def _compare(tag, got, want, dtype):
@@ -123,7 +78,9 @@ def run(mesh, arr):
             out = P(*([None] * len(rows)), "tp")
             _case(
                 f"column_parallel_{jnp.dtype(dtype).name}_{len(rows)}d",
-                lambda mesh, cfg, out=out: _grads(mesh, "ag", cfg, P("tp"), P(None, "tp"), out),
+                lambda mesh, cfg, out=out: training_models.grads(
+                    mesh, "ag", cfg, P("tp"), P(None, "tp"), out
+                ),
                 (x, w),
                 (P("tp"), P(None, "tp")),
                 dtype,
@@ -135,7 +92,7 @@ def run(mesh, arr):
     x, w = normal(m, 2 * k_local), normal(2 * k_local, n, scale=1 / 45)
     _case(
         "row_parallel",
-        lambda mesh, cfg: _grads(mesh, "rs", cfg, P(None, "tp"), P("tp"), P("tp")),
+        lambda mesh, cfg: training_models.grads(mesh, "rs", cfg, P(None, "tp"), P("tp"), P("tp")),
         (x, w),
         (P(None, "tp"), P("tp")),
         jnp.bfloat16,
@@ -151,7 +108,7 @@ def run(mesh, arr):
     )
     _case(
         "batch_by_sequence",
-        _mlp_step,
+        partial(training_models.mlp_step, with_loss=False),
         host,
         (P(None, "tp"), P(None, "tp"), P("tp")),
         jnp.bfloat16,
@@ -167,7 +124,7 @@ def run(mesh, arr):
     )
     _case(
         "scanned_training",
-        _train,
+        partial(training_models.scanned_train, with_loss=False),
         host,
         (P("tp"), P(None, None, "tp"), P(None, "tp")),
         jnp.bfloat16,
