@@ -12,11 +12,13 @@ import _common as C
 NOISY = 0.05  # xla vs xla_again beyond this: the row is flagged for a repeat
 
 
-def parse_args(argv, doc, script, shapes, smoke_shapes, shapes_help, comm_sms=False):
-    """The options of an interleaved-row script (``comm_sms``: it also takes --comm-sms);
-    ``args.shapes`` is the list of shape tuples to run."""
+def parse_args(argv, doc, script, shapes, smoke_shapes, shapes_help, comm_sms=False, extra=None):
+    """The options of an interleaved-row script (``comm_sms``: it also takes --comm-sms;
+    ``extra(parser)`` adds the script's own); ``args.shapes`` is the list of shape tuples."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(p, script)
+    if extra:
+        extra(p)
     p.add_argument("--shapes", help=shapes_help)
     p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
     p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")

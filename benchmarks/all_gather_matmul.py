@@ -1,7 +1,8 @@
-"""Benchmark `jaxoverlap.all_gather_matmul` (gathering rows) against XLA, following BENCHMARKS.md.
+"""Benchmark `jaxoverlap.all_gather_matmul` against XLA, following BENCHMARKS.md.
 
-Per shape (M gathered rows x K x N_local, tp ranks; x [M/tp, K] per device, w [K, N_local]), in
-one run on fresh random bf16, timed round-robin (interleaved samples):
+Per shape (M gathered rows x K x N_local, tp ranks; x [M/tp, K] per device, w [K, N_local]; with
+`--along K`, x [M, K/tp] gathered along K, the contracted dimension), in one run on fresh random
+bf16, timed round-robin (interleaved samples):
   xla          lax.all_gather(x, tiled) then jnp.matmul in shard_map (no overlap); timed first
   gemm_only    jnp.matmul of the gathered x [M, K] and w (the bound: communication fully hidden)
   ag_only      lax.all_gather alone (NCCL)
@@ -15,6 +16,7 @@ timed here (see benchmarks/matmul_reduce_scatter.py for the reduce-scatter side)
   python benchmarks/all_gather_matmul.py                # BENCHMARKS.md AG shapes + layer shapes
   python benchmarks/all_gather_matmul.py --quick        # fewer, shorter samples
   python benchmarks/all_gather_matmul.py --cpu-smoke    # 2 fake CPU devices, tiny shapes
+  python benchmarks/all_gather_matmul.py --along K      # x split over K (the JAX docs' layout)
 
 Exit status: 0 when every measured result was correct; 1 when a check failed or an error stopped
 the run (the JSON keeps the rows before it), or, with --require-fused, when the fused path did
@@ -49,11 +51,23 @@ BF16_TOL = 2e-2  # max |out - ref| / max |ref|, ref in f32
 
 def parse_args(argv=None):
     shapes_help = "comma-separated MxKxN_local (M = gathered rows)"
-    return I.parse_args(argv, __doc__, "all_gather_matmul", SHAPES, SMOKE_SHAPES, shapes_help)
+
+    def along(p):
+        p.add_argument("--along", choices=("rows", "K"), default="rows", help="what is gathered")
+
+    return I.parse_args(
+        argv, __doc__, "all_gather_matmul", SHAPES, SMOKE_SHAPES, shapes_help, extra=along
+    )
 
 
-def make_inputs(jax, mesh, shape, tp, seed):
-    """x [M, K] split over rows, w [K, N_local * tp] split over N; random bf16 on device."""
+def _x_spec(along):
+    from jax.sharding import PartitionSpec as P
+
+    return P("tp", None) if along == "rows" else P(None, "tp")
+
+
+def make_inputs(jax, mesh, shape, tp, seed, along="rows"):
+    """x [M, K] split over rows (or K), w [K, N_local * tp] split over N; random bf16."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -68,33 +82,35 @@ def make_inputs(jax, mesh, shape, tp, seed):
         )
         return f(key)
 
-    x = gen(kx, (M, K), P("tp", None))
+    x = gen(kx, (M, K), _x_spec(along))
     w = gen(kw, (K, Nl * tp), P(None, "tp"), K**-0.5)
     return x, w, jax.device_put(x, NamedSharding(mesh, P()))  # gemm_only: gathered x everywhere
 
 
-def error_fn(mesh):
+def error_fn(mesh, along="rows"):
     """(x, w, out) -> max |out - ref| / max |ref|, ref = all_gather(x) @ w in f32."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     def body(x, w, out):
-        xg = lax.all_gather(x.astype(jnp.float32), "tp", tiled=True)
+        axis = 0 if along == "rows" else 1
+        xg = lax.all_gather(x.astype(jnp.float32), "tp", axis=axis, tiled=True)
         ref = jnp.matmul(xg, w.astype(jnp.float32))
         err = lax.pmax(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)), "tp")
         return err / lax.pmax(jnp.max(jnp.abs(ref)), "tp")
 
-    return C.shard_map(body, mesh, (P("tp", None), P(None, "tp"), P(None, "tp")), P())
+    return C.shard_map(body, mesh, (_x_spec(along), P(None, "tp"), P(None, "tp")), P())
 
 
 def jaxoverlap_fns(mesh, args):
     """backend -> jitted fn (+ the GEMM-only diagnostic), or a sentence saying why not."""
     from jax.sharding import PartitionSpec as P
 
-    specs = ((P("tp", None), P(None, "tp")), P(None, "tp"))
+    specs = ((_x_spec(args.along), P(None, "tp")), P(None, "tp"))
     knobs = {"chunks": args.chunks}
-    return I.jaxoverlap_fns(mesh, args, "all_gather_matmul", *specs, knobs, gather_dimension=0)
+    dim = 0 if args.along == "rows" else 1
+    return I.jaxoverlap_fns(mesh, args, "all_gather_matmul", *specs, knobs, gather_dimension=dim)
 
 
 def measure_shape(jax, mesh, tp, shape, args, jo, seed):
@@ -103,17 +119,18 @@ def measure_shape(jax, mesh, tp, shape, args, jo, seed):
     from jax.sharding import PartitionSpec as P
 
     M, K, Nl = shape
-    x, w, xg = make_inputs(jax, mesh, shape, tp, seed)
-    xw = (P("tp", None), P(None, "tp"))
-    xla = C.shard_map(
-        lambda x, w: jnp.matmul(lax.all_gather(x, "tp", tiled=True), w), mesh, xw, P(None, "tp")
-    )
+    x, w, xg = make_inputs(jax, mesh, shape, tp, seed, args.along)
+    axis = 0 if args.along == "rows" else 1
+    xw = (_x_spec(args.along), P(None, "tp"))
+    gather = lambda x: lax.all_gather(x, "tp", axis=axis, tiled=True)  # noqa: E731
+    xla = C.shard_map(lambda x, w: jnp.matmul(gather(x), w), mesh, xw, P(None, "tp"))
     gemm = C.shard_map(jnp.matmul, mesh, (P(), P(None, "tp")), P(None, "tp"))
     # the gathered copies side by side (the output is typed varying over tp)
-    ag = C.shard_map(lambda x: lax.all_gather(x, "tp", tiled=True), mesh, P("tp"), P("tp"))
-    err_f = error_fn(mesh)
+    ag = C.shard_map(gather, mesh, xw[0], xw[0])
+    err_f = error_fn(mesh, args.along)
     row = {"op": "all_gather_matmul", "tp": tp, "processes": 1, "dtype": "bfloat16", "M": M}
-    row.update(K=K, N_local=Nl, gather_dimension=0, notes=[], check={}, iters={}, samples_ms={})
+    dim = 0 if args.along == "rows" else "K"
+    row.update(K=K, N_local=Nl, gather_dimension=dim, notes=[], check={}, iters={}, samples_ms={})
     check = lambda out: {"rel_err": (r := float(err_f(x, w, out))), "ok": r <= BF16_TOL}  # noqa
     row["check"]["xla"] = check(xla(x, w))
     row["check"]["gemm_only"] = check(gemm(xg, w))
@@ -128,8 +145,9 @@ def measure_shape(jax, mesh, tp, shape, args, jo, seed):
 def main(argv=None):
     args = parse_args(argv)
     title = (
-        "all_gather_matmul (rows), ms (median), tp={tp}, bf16; jo = backend='fused', "
-        "gemm_part = its GEMM schedule without communication, auto= what 'auto' runs"
+        f"all_gather_matmul (along {args.along}), ms (median), tp={{tp}}, bf16; "
+        "jo = backend='fused', gemm_part = its GEMM schedule without communication, "
+        "auto= what 'auto' runs"
     )
     return I.main(
         args, "all_gather_matmul", lambda mesh: jaxoverlap_fns(mesh, args), measure_shape,

@@ -72,6 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--comm-sms", type=int, help="Config.comm_sms of the fused run (default: auto)")
     p.add_argument("--chunks", type=int, help="Config.chunks of the fused run (default: auto)")
     p.add_argument(
+        "--scatter",
+        choices=("rows", "last"),
+        default="rows",
+        help="the scattered dimension: rows (M) or the last one (N, jaxoverlap/fused_cols.py)",
+    )
+    p.add_argument(
         "--no-breakdown",
         dest="breakdown",
         action="store_false",
@@ -115,21 +121,28 @@ def make_inputs(jax, mesh, shape, tp, seed):
     return x, w, y
 
 
-def error_fn(mesh):
+def _dim(args):
+    """The scattered dimension of x @ w ([M, N]) and the result's spec."""
+    from jax.sharding import PartitionSpec as P
+
+    return (0, P("tp", None)) if getattr(args, "scatter", "rows") == "rows" else (1, P(None, "tp"))
+
+
+def error_fn(mesh, dim=0):
     """(x, w, out) -> max |out - ref| / max |ref| with ref = psum_scatter(x @ w) in f32."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     def body(x, w, out):
-        ref = lax.psum_scatter(
-            jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32)), "tp", tiled=True
-        )
+        xw = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+        ref = lax.psum_scatter(xw, "tp", scatter_dimension=dim, tiled=True)
         err = lax.pmax(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)), "tp")
         scale = lax.pmax(jnp.max(jnp.abs(ref)), "tp")
         return err / scale
 
-    return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None), P("tp", None)), P())
+    out = P("tp", None) if dim == 0 else P(None, "tp")
+    return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None), out), P())
 
 
 def check(err_f, x, w, out):
@@ -150,6 +163,7 @@ def run_windowed_child(args, seed, tp):
         cmd += ["--shapes", shapes]
         cmd += ["--tp", str(tp)] if tp else []
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+        cmd += ["--scatter", args.scatter]
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_FLAGS}")
         print(f"xla_windowed: child process with XLA_FLAGS={env['XLA_FLAGS'].strip()!r}")
         try:
@@ -166,11 +180,11 @@ def windowed_child(args):
     jax = C.setup_platform(args.cpu_smoke)
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     mesh, tp = C.make_mesh(jax, args.tp)
-    err_f = error_fn(mesh)
-    out_sh = NamedSharding(mesh, P("tp", None))
+    dim, out_spec = _dim(args)
+    err_f = error_fn(mesh, dim)
+    out_sh = NamedSharding(mesh, out_spec)
     rows = []
     for shape in args.shapes:
         x, w, _ = make_inputs(jax, mesh, shape, tp, args.seed)
@@ -214,10 +228,12 @@ def jaxoverlap_fns(jax, mesh, args):
         knobs = {"comm_sms": args.comm_sms, "chunks": args.chunks} if backend == "fused" else {}
         cfg = jaxoverlap.Config(backend=backend, **knobs)
 
-        def body(x, w):
-            return jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=0, config=cfg)
+        dim, out_spec = _dim(args)
 
-        return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), P("tp", None))
+        def body(x, w):
+            return jaxoverlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=dim, config=cfg)
+
+        return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), out_spec)
 
     fns = {"fused": make("xla" if args.smoke_stand_in else "fused"), "auto": make("auto")}
     # Where the time goes: the fused op's GEMM schedule alone on its partition (no
@@ -242,20 +258,20 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
 
     M, Kl, N = shape
     x, w, y = make_inputs(jax, mesh, shape, tp, seed)
+    dim, out_spec = _dim(args)
     xw = (P(None, "tp"), P("tp", None))
     gemm = C.shard_map(jnp.matmul, mesh, xw, P(None, "tp"))
-    xla = C.shard_map(
-        lambda x, w: lax.psum_scatter(jnp.matmul(x, w), "tp", tiled=True), mesh, xw, P("tp", None)
-    )
-    rs = C.shard_map(
-        lambda y: lax.psum_scatter(y, "tp", tiled=True), mesh, P(None, "tp"), P("tp", None)
-    )
-    err_f = error_fn(mesh)
+    scatter = lambda v: lax.psum_scatter(v, "tp", scatter_dimension=dim, tiled=True)  # noqa: E731
+    xla = C.shard_map(lambda x, w: scatter(jnp.matmul(x, w)), mesh, xw, out_spec)
+    # y [M, N * tp] over N: each rank a random [M, N] partial; scattered over M or N.
+    rs = C.shard_map(scatter, mesh, P(None, "tp"), out_spec if dim == 0 else P(None, "tp"))
+    err_f = error_fn(mesh, dim)
     row = {
         "M": M,
         "K_local": Kl,
         "N": N,
         "tp": tp,
+        "scatter_dimension": dim,
         "dtype": "bfloat16",
         "notes": [],
         "check": {},

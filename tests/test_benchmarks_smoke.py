@@ -30,13 +30,15 @@ def load(out, stem):
         return json.load(f)
 
 
-@pytest.mark.parametrize("windowed", ["off", "on"])
-def test_matmul_reduce_scatter_smoke(tmp_path, windowed):
+@pytest.mark.parametrize("windowed,scatter", [("off", "rows"), ("on", "rows"), ("on", "last")])
+def test_matmul_reduce_scatter_smoke(tmp_path, windowed, scatter):
     stdout = run(
         "matmul_reduce_scatter.py",
         tmp_path,
         "--windowed",
         windowed,
+        "--scatter",
+        scatter,
         "--shapes",
         "64x32x48",
         "--name",
@@ -53,6 +55,7 @@ def test_matmul_reduce_scatter_smoke(tmp_path, windowed):
         2,
         "bfloat16",
     )
+    assert row["scatter_dimension"] == (0 if scatter == "rows" else 1)
     assert set(row["ms"]) == {"gemm_only", "xla", "xla_windowed", "rs_only", "jaxoverlap"}
     measured = {"gemm_only", "xla", "rs_only", "jaxoverlap"} | (
         {"xla_windowed"} if windowed == "on" else set()
@@ -79,8 +82,10 @@ def test_rs_bandwidth_smoke(tmp_path):
     assert doc["worst_best_tma_busbw_GBs"] > 0
 
 
-def test_all_gather_matmul_smoke(tmp_path):
-    stdout = run("all_gather_matmul.py", tmp_path, "--shapes", "128x64x64", "--name", "agm")
+@pytest.mark.parametrize("along", ["rows", "K"])
+def test_all_gather_matmul_smoke(tmp_path, along):
+    extra = ("--along", along)
+    stdout = run("all_gather_matmul.py", tmp_path, "--shapes", "128x64x64", "--name", "agm", *extra)
     assert "geomean speedup of jaxoverlap over xla" in stdout
     doc = load(tmp_path, "agm")
     assert {"machine", "date", "jax_version", "rows"} <= doc.keys()
@@ -92,7 +97,7 @@ def test_all_gather_matmul_smoke(tmp_path):
         64,
         2,
     )
-    assert row["gather_dimension"] == 0 and row["dtype"] == "bfloat16"
+    assert row["gather_dimension"] == (0 if along == "rows" else "K") and row["dtype"] == "bfloat16"
     assert set(row["ms"]) == {
         "xla",
         "gemm_only",
