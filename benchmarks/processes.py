@@ -8,12 +8,12 @@ same in one process and XLA: issue 11's measurement. Run it both ways on the sam
 
 Per shape (M x K_local x N; tp = every device of every process; x [M, K_local] and w [K_local, N]
 per device, the [M / tp, N] result scattered over rows), in one run on fresh random bf16, timed
-round-robin in every process (each times its own devices: every process must make the same calls
-in the same order, as the collectives require; process 0 reports): gemm_only (the local GEMM),
-xla (jnp.matmul then lax.psum_scatter), rs_only (lax.psum_scatter alone), jaxoverlap
-(backend="fused"). Every result is checked against a float32 reference on the devices of the
-process that checks it. The JSON rows carry ``processes`` (BENCHMARKS.md), so the two runs'
-rows compare directly.
+round-robin in every process, a fixed number of calls per sample (`--iters`: every process must
+make the same calls in the same order, as the collectives require; process 0 reports):
+gemm_only (the local GEMM), xla (jnp.matmul then lax.psum_scatter), rs_only (lax.psum_scatter
+alone), jaxoverlap (backend="fused"). Every result is checked against a float32 reference on
+the devices of the process that checks it. The JSON rows carry ``processes`` (BENCHMARKS.md), so
+the two runs' rows compare directly.
 
 Exit status: 0 when every measured result was correct; 1 otherwise (or, with --require-fused,
 when the fused path did not run).
@@ -37,12 +37,37 @@ def parse_args(argv=None):
     C.add_common_args(p, "processes")
     p.add_argument("--shapes", help="comma-separated MxK_localxN")
     p.add_argument("--require-fused", action="store_true", help="fail if the fused path is absent")
+    p.add_argument(
+        "--iters",
+        type=int,
+        help="calls per sample, the same in every process (default 20; smoke 3): a count chosen "
+        "per process from its own timing would run different numbers of collectives",
+    )
     a = C.finish_args(p, p.parse_args(argv), target_ms=40.0, quick_target_ms=15.0)
     if a.shapes:
         a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
     else:
         a.shapes = SMOKE_SHAPES if a.cpu_smoke else C.SHAPES
+    a.iters = a.iters or (3 if a.cpu_smoke or a.quick else 20)
     return a
+
+
+def bench(fns, samples, iters):
+    """`_common.bench` with a fixed number of calls per sample: every process must make the same
+    calls (each of them a collective), so nothing may depend on a process's own timings."""
+    import statistics
+
+    import jax
+
+    sync_each = jax.devices()[0].platform == "cpu"  # as _common.bench: XLA:CPU collectives
+    for fn, args in fns.values():
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, (fn, args) in fns.items():
+            times[name].append(C._time_once(fn, args, iters, sync_each))
+    return {n: {"ms": statistics.median(t), "samples_ms": t} for n, t in times.items()}
 
 
 def measure(jax, mesh, tp, shape, args, seed):
@@ -108,11 +133,13 @@ def measure(jax, mesh, tp, shape, args, seed):
         if name == "jaxoverlap" and not fused and not args.smoke_stand_in:
             row["notes"].append("backend='fused' compiled without a jaxoverlap custom call")
             continue
-        if row["check"][name]["ok"]:
+        # Several processes: timed whatever this process's shards showed (another process's may
+        # differ, and every process must run the same collectives); a wrong result still fails.
+        if row["check"][name]["ok"] or jax.process_count() > 1:
             timed[name] = (fns[name], (xs, ws))
     timed["gemm_only"] = (fns["gemm_only"], (xs, ws))
     timed["rs_only"] = (fns["rs_only"], (xs, ws))
-    res = C.bench(timed, samples=args.samples, target_ms=args.target_ms)
+    res = bench(timed, args.samples, args.iters)
     row["ms"] = {mth: res[mth]["ms"] if mth in res else None for mth in METHODS}
     row["samples_ms"] = {mth: r["samples_ms"] for mth, r in res.items()}
     return row
