@@ -97,6 +97,12 @@ def tuned(op, m_total, k, n_cols, dtype, n):
     return tune.lookup(key)
 
 
+def tuned_setting(op, m_total, k, n_cols, dtype, n):
+    """(chunks, comm_sms) the tuner measured best for this op and shape, else the default."""
+    entry = tuned(op, m_total, k, n_cols, dtype, n)
+    return (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
+
+
 def auto_predicts_win(m_total, k, n_cols, n):
     """The conservative rule used where nothing was tuned (see above)."""
     if n != 2:
@@ -323,10 +329,7 @@ def _lower_rows(target, op, ctx, x, w, params, table):
     x_aval, w_aval = ctx.avals_in
     config = params["config"]
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
-    setting = (
-        (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
-    )
+    setting = tuned_setting(op, m_total, k, n_cols, x_aval.dtype, table.n)
     chunks = choose_chunks(m_total // table.n, k, n_cols, config.chunks or setting[0])
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)

@@ -139,12 +139,9 @@ def lower(ctx, x, w, params, table):
     config = params["config"]
     n = table.n
     m_total, k, n_cols = math.prod(x_aval.shape[:-1]), x_aval.shape[-1], w_aval.shape[1]
-    entry = fused.tuned("matmul_reduce_scatter", n_cols, k, m_total, x_aval.dtype, n)
-    setting = (
-        (entry["chunks"], entry["comm_sms"])
-        if entry and entry["chunks"] and entry["comm_sms"]
-        else fused._DEFAULT_SETTING
-    )
+    setting = fused.tuned_setting("matmul_reduce_scatter", n_cols, k, m_total, x_aval.dtype, n)
+    if not setting[1]:  # a copy-engine entry (comm_sms=0): no such variant here, the defaults
+        setting = fused._DEFAULT_SETTING
     chunks = choose_chunks(n_cols // n, k, m_total, config.chunks or setting[0])
     chunks = chunks or choose_chunks(n_cols // n, k, m_total)
     comm_sms = config.comm_sms or setting[1]
@@ -156,7 +153,6 @@ def lower(ctx, x, w, params, table):
     attrs = fused._table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx, spec)
     a_col = not params["w_colmajor"]  # w.T column-major, unless w is a transpose already
     attrs.update(profile=fused._profile.get(), w_colmajor=1, x_colmajor=int(a_col))
-    attrs = {a: (np.asarray(v) if isinstance(v, np.ndarray) else v) for a, v in attrs.items()}
     dtype = x_aval.dtype
 
     def call(x, w):
