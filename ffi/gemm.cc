@@ -1,10 +1,56 @@
 #include "gemm.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <string>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <mutex>
+
+#include "kernels/fill.h"
 
 namespace jaxoverlap {
 namespace {
+
+std::mutex cache_mu;
+std::string cache_dir;  // under cache_mu
+
+// A cached choice: "<index> <ms first> <ms kept> <candidates>\n". False if absent or unusable.
+bool read_choice(const std::string& path, int found, GemmRunner::Choice* c) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return false;
+  int index = -1, candidates = 0;
+  float first = 0, best = 0;
+  const bool ok = std::fscanf(f, "%d %f %f %d", &index, &first, &best, &candidates) == 4;
+  std::fclose(f);
+  if (!ok || index < 0 || index >= found || candidates != found) return false;
+  c->chosen = index, c->ms_first = first, c->ms_best = best, c->candidates = candidates;
+  c->cached = true;
+  return true;
+}
+
+// Publishes a choice at `path` unless one is there: written to a private file, then hard-linked
+// into place (atomic; fails if the name exists), so readers never see a partial file and the
+// first writer wins. Returns false when another process's choice was there first.
+bool publish_choice(const std::string& path, const GemmRunner::Choice& c) {
+  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (!f) return true;  // no cache (read-only, missing directory): keep our own choice
+  std::fprintf(f, "%d %.6f %.6f %d\n", c.chosen, c.ms_first, c.ms_best, c.candidates);
+  const bool written = std::fclose(f) == 0;
+  const bool linked = written && link(tmp.c_str(), path.c_str()) == 0;
+  const bool exists = !linked && errno == EEXIST;
+  unlink(tmp.c_str());
+  return !exists;
+}
 
 std::string lt_error(const char* what, cublasStatus_t s) {
   return std::string("cuBLASLt ") + what + " failed with status " + std::to_string((int)s);
@@ -12,11 +58,46 @@ std::string lt_error(const char* what, cublasStatus_t s) {
 
 }  // namespace
 
+constexpr int kCandidates = 8;  // heuristic candidates timed per shape
+constexpr int kReps = 3;        // launches per timing; two timings per candidate, best kept
+
 std::string GemmRunner::init() {
   if (handle_) return "";
+  const char* knob = std::getenv("JAXOVERLAP_GEMM_SEARCH");
+  search_ = !(knob && std::strcmp(knob, "0") == 0);
+  int dev = 0, sms = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+    device_tag_ = std::string(prop.name) + "/" + std::to_string(sms) + "/" +
+                  std::to_string(cublasLtGetVersion());
+  cudaGetLastError();
   cublasStatus_t s = cublasLtCreate(&handle_);
   if (s != CUBLAS_STATUS_SUCCESS) return lt_error("cublasLtCreate", s);
   return "";
+}
+
+void GemmRunner::set_cache_dir(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(cache_mu);
+  cache_dir = dir;
+}
+
+std::string GemmRunner::cache_file(const GemmShape& s, const GemmAlign& al) const {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    dir = cache_dir;
+  }
+  if (dir.empty() || device_tag_.empty()) return "";
+  const auto [m, n, k, dt, acc, sms, b_col, a_col, lda, f32_out, ldb] = s.key();
+  std::string text = device_tag_;
+  for (int64_t v : {m, n, k, (int64_t)dt, (int64_t)acc, (int64_t)sms, (int64_t)b_col,
+                    (int64_t)a_col, lda, (int64_t)f32_out, ldb, (int64_t)al.a, (int64_t)al.b,
+                    (int64_t)al.c, (int64_t)al.d})
+    text += " " + std::to_string(v);
+  char name[32];
+  std::snprintf(name, sizeof(name), "gemm-%016zx", std::hash<std::string>{}(text));
+  return dir + "/" + name;
 }
 
 int GemmRunner::alignment(const void* p) {
@@ -38,14 +119,9 @@ std::string GemmRunner::stream_workspace(cudaStream_t stream, void** out) {
   return "";
 }
 
-std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out) {
-  const auto key = std::make_tuple(s.key(), al.key());
-  auto it = plans_.find(key);
-  if (it != plans_.end()) {
-    *out = &it->second;
-    return "";
-  }
-  Plan p{};
+std::string GemmRunner::describe(const GemmShape& s, const GemmAlign& al, int want, Plan* out,
+                                 cublasLtMatmulHeuristicResult_t* r, int* found) {
+  Plan& p = *out;
   const cudaDataType_t t = s.dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
   cublasStatus_t st;
 #define LT(call)                                 \
@@ -87,21 +163,153 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, Plan** out
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     LT(cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i])));
-  cublasLtMatmulHeuristicResult_t r{};
-  int found = 0;
-  st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &r, &found);
+  st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.la, p.lb, p.lc, p.lc, pref, want, r,
+                                      found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return lt_error("cublasLtMatmulAlgoGetHeuristic", st);
-  if (!found)
+  if (!*found)
     return "cuBLASLt found no algorithm for the GEMM " + std::to_string(s.m) + "x" +
            std::to_string(s.k) + "x" + std::to_string(s.n) + " with operand alignments " +
            std::to_string(al.a) + "/" + std::to_string(al.b) + "/" + std::to_string(al.c) + "/" +
            std::to_string(al.d) + " bytes";
 #undef LT
-  p.algo = r.algo;
+  return "";
+}
+
+void GemmRunner::destroy(Plan* p) {
+  if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+  for (cublasLtMatrixLayout_t l : {p->la, p->lb, p->lc})
+    if (l) cublasLtMatrixLayoutDestroy(l);
+  *p = Plan{};
+}
+
+std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, cudaStream_t stream,
+                             Plan** out) {
+  const auto key = std::make_tuple(s.key(), al.key());
+  auto it = plans_.find(key);
+  if (it != plans_.end()) {
+    *out = &it->second;
+    return "";
+  }
+  Plan p{};
+  cublasLtMatmulHeuristicResult_t r[kCandidates]{};
+  int found = 0;
+  if (std::string e = describe(s, al, search_ ? kCandidates : 1, &p, r, &found); !e.empty()) {
+    destroy(&p);
+    return e;
+  }
+  Choice& c = p.choice;
+  c = Choice{s.m, s.n, s.k, s.sm_count, s.accumulate};
+  const std::string path = found > 1 ? cache_file(s, al) : "";
+  if (found <= 1) {
+    c.note = search_ ? "one candidate" : "JAXOVERLAP_GEMM_SEARCH=0";
+  } else if (path.empty() || !read_choice(path, found, &c)) {
+    std::vector<float> ms;
+    c.note = time_candidates(p, s, al, r, found, stream, &ms);
+    if (c.note.empty()) {
+      int best = 0;
+      for (int i = 1; i < found; ++i)
+        if (ms[i] < ms[best]) best = i;
+      if (!(ms[best] < 0.99f * ms[0])) best = 0;  // within noise: the heuristic's choice
+      c.candidates = found, c.chosen = best, c.ms_first = ms[0], c.ms_best = ms[best];
+      // Another process chose first: take its choice, so both compute the same bits.
+      if (!path.empty() && !publish_choice(path, c)) read_choice(path, found, &c);
+    }
+  }
+  p.algo = r[c.chosen].algo;
   auto [pos, _] = plans_.emplace(key, p);
   *out = &pos->second;
   return "";
+}
+
+std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const GemmAlign& al,
+                                        const cublasLtMatmulHeuristicResult_t* r, int found,
+                                        cudaStream_t stream, std::vector<float>* ms) {
+  // Scratch operands as large as the real ones (leading dimensions included), each offset from
+  // its 256-byte-aligned base by the real pointer's alignment, filled with random values. All
+  // stream-ordered (cudaMallocAsync/cudaFreeAsync): nothing here synchronises the device, only
+  // this stream, which a handler has already ordered after the work its GEMMs depend on.
+  const int64_t elt = 2;  // bf16 or f16
+  const int64_t out_elt = s.f32_out ? 4 : elt;
+  const int64_t a_elems = s.a_col ? (s.lda ? s.lda : s.m) * s.k : s.m * s.k;
+  const int64_t b_elems = s.b_col ? s.n * (s.ldb ? s.ldb : s.k) : s.k * (s.ldb ? s.ldb : s.n);
+  const int64_t sizes[4] = {a_elems * elt, b_elems * elt, s.m * s.n * out_elt, s.m * s.n * out_elt};
+  const int aligns[4] = {al.a, al.b, al.c, al.d};
+  const FillType in_type = s.dtype == DType::kF16 ? FillType::kF16 : FillType::kBF16;
+  const FillType out_type = s.f32_out ? FillType::kF32 : in_type;
+  char* base[4] = {};
+  void* ptr[4] = {};
+  void* ws = nullptr;
+  cudaEvent_t ev[2] = {};
+  std::string note;
+  auto fail = [&](const char* what, cudaError_t e) {
+    cudaGetLastError();
+    if (note.empty()) note = std::string(what) + ": " + cudaGetErrorString(e);
+  };
+  ms->assign(found, std::numeric_limits<float>::infinity());
+  if (std::string e = stream_workspace(stream, &ws); !e.empty()) return e;
+  for (int i = 0; i < 4 && note.empty(); ++i) {
+    const int offset = aligns[i] >= 256 ? 0 : aligns[i];
+    if (cudaError_t e = cudaMallocAsync((void**)&base[i], sizes[i] + 256, stream)) {
+      fail("scratch allocation for timing GEMM candidates", e);
+      base[i] = nullptr;
+      break;
+    }
+    ptr[i] = base[i] + offset;
+    const FillType t = i < 2 ? in_type : out_type;
+    if (cudaError_t e = launch_fill_uniform(ptr[i], sizes[i] / (t == FillType::kF32 ? 4 : 2), t,
+                                           1234u + i, stream))
+      fail("filling scratch operands", e);
+  }
+  for (auto& e : ev)
+    if (note.empty())
+      if (cudaError_t err = cudaEventCreate(&e)) fail("cudaEventCreate", err);
+  const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
+  const void* c = s.accumulate ? ptr[2] : ptr[3];
+  auto launch = [&](int i) {
+    return cublasLtMatmul(handle_, p.desc, &alpha, ptr[1], p.la, ptr[0], p.lb, &beta, c, p.lc,
+                          ptr[3], p.lc, &r[i].algo, ws, workspace_bytes_, stream);
+  };
+  for (int pass = 0; pass < 2 && note.empty(); ++pass)
+    for (int i = 0; i < found && note.empty(); ++i) {
+      if (pass == 0 && launch(i) != CUBLAS_STATUS_SUCCESS) continue;  // stays +inf
+      if (pass == 1 && !(ms->at(i) < std::numeric_limits<float>::infinity())) continue;
+      cudaEventRecord(ev[0], stream);
+      bool ok = true;
+      for (int k = 0; k < kReps && ok; ++k) ok = launch(i) == CUBLAS_STATUS_SUCCESS;
+      cudaEventRecord(ev[1], stream);
+      float t = 0;
+      if (cudaError_t e = cudaEventSynchronize(ev[1])) {
+        fail("timing GEMM candidates", e);
+      } else if (ok && cudaEventElapsedTime(&t, ev[0], ev[1]) == cudaSuccess) {
+        (*ms)[i] = std::min((*ms)[i], t / kReps);
+      }
+    }
+  for (char* b : base)
+    if (b) cudaFreeAsync(b, stream);
+  for (cudaEvent_t e : ev)
+    if (e) cudaEventDestroy(e);
+  if (note.empty() && !(ms->at(0) < std::numeric_limits<float>::infinity()))
+    note = "the heuristic's first candidate failed to run on scratch operands";
+  return note;
+}
+
+std::string GemmRunner::candidates_ms(const GemmShape& s, cudaStream_t stream,
+                                      std::vector<float>* ms) {
+  const GemmAlign al{256, 256, 256, 256};
+  Plan p{};
+  cublasLtMatmulHeuristicResult_t r[kCandidates]{};
+  int found = 0;
+  std::string e = describe(s, al, kCandidates, &p, r, &found);
+  if (e.empty()) e = time_candidates(p, s, al, r, found, stream, ms);
+  destroy(&p);
+  return e;
+}
+
+std::vector<GemmRunner::Choice> GemmRunner::choices() const {
+  std::vector<Choice> out;
+  for (const auto& [key, p] : plans_) out.push_back(p.choice);
+  return out;
 }
 
 std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, const void* c,
@@ -109,7 +317,7 @@ std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, co
   const void* cin = s.accumulate ? c : d;
   const GemmAlign al{alignment(a), alignment(b), alignment(cin), alignment(d)};
   Plan* p = nullptr;
-  if (std::string err = plan(s, al, &p); !err.empty()) return err;
+  if (std::string err = plan(s, al, stream, &p); !err.empty()) return err;
   void* ws = nullptr;
   if (std::string err = stream_workspace(stream, &ws); !err.empty()) return err;
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;

@@ -3,6 +3,14 @@
 // then hands over without a copy: the backward's w.T, and x.T of a weight gradient),
 // targeted at the SM count of the partition it runs on. One per device; plans cached by shape and
 // operand alignment. Not thread-safe: callers hold their device's DeviceRuntime::launch_mu.
+// A plan's algorithm is chosen by measurement, as XLA's autotuner chooses its GEMMs': the first
+// use of a shape times cuBLASLt's top heuristic candidates on random operands of that shape on
+// the stream it runs on (so on its partition's SMs) and keeps the fastest, unless it beats the
+// heuristic's first choice by less than 1 %. With a cache directory (set_cache_dir; the Python
+// side sets the tuner's), a choice is stored in one file per (device, cuBLASLt version, shape,
+// alignments), created atomically: the first process to choose wins and every later or
+// concurrent one adopts its choice, so the ranks of a group and reruns compute with the same
+// algorithm and the same bits. JAXOVERLAP_GEMM_SEARCH=0 keeps the heuristic's first choice.
 // cuBLASLt's workspace is one per stream: two GEMMs share one only if they are stream-ordered,
 // so no two GEMMs (a warm-up included) ever use the same workspace at once.
 #pragma once
@@ -14,6 +22,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernels/comm.h"
 
@@ -47,20 +56,52 @@ struct GemmAlign {
 class GemmRunner {
  public:
   std::string init();  // on the current device
+  // Where choices are shared between processes ("" = not at all). Process-wide.
+  static void set_cache_dir(const std::string& dir);
   // On the current device. Returns "" on success, else a sentence saying what failed. Any
   // pointer alignment of 2 bytes or more runs: the plan is chosen for the pointers' alignment.
   std::string run(const GemmShape& s, const void* a, const void* b, const void* c, void* d,
                   cudaStream_t stream);
   static int alignment(const void* p);
 
+  // What the search found for one plan (tools and tests: _native.gemm_plans).
+  struct Choice {
+    int64_t m, n, k;
+    int sm_count;
+    bool accumulate;
+    int candidates = 1;             // heuristic candidates timed (1: no search)
+    int chosen = 0;                 // index of the one kept, in heuristic order
+    float ms_first = 0, ms_best = 0;  // per launch: the heuristic's first choice, the kept one
+    std::string note;               // why no search ran, if none did
+    bool cached = false;            // adopted from the cache (timed by this or another process)
+  };
+  std::vector<Choice> choices() const;
+  // Tools: ms per launch of each of cuBLASLt's top candidates for `s` (heuristic order, +inf for
+  // one that failed), timed on `stream` with random 256-byte-aligned operands.
+  std::string candidates_ms(const GemmShape& s, cudaStream_t stream, std::vector<float>* ms);
+
  private:
   struct Plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
+    Choice choice;
   };
-  std::string plan(const GemmShape& s, const GemmAlign& al, Plan** out);
+  std::string plan(const GemmShape& s, const GemmAlign& al, cudaStream_t stream, Plan** out);
+  // The descriptor and layouts of `s`, and up to `want` heuristic candidates (r, *found).
+  std::string describe(const GemmShape& s, const GemmAlign& al, int want, Plan* p,
+                       cublasLtMatmulHeuristicResult_t* r, int* found);
+  static void destroy(Plan* p);
+  // Times `found` candidates for `p` on `stream` (scratch operands with the alignments `al`);
+  // ms[i] per launch, +inf for one that failed. "" or why no timing was possible.
+  std::string time_candidates(const Plan& p, const GemmShape& s, const GemmAlign& al,
+                              const cublasLtMatmulHeuristicResult_t* r, int found,
+                              cudaStream_t stream, std::vector<float>* ms);
   std::string stream_workspace(cudaStream_t stream, void** out);
+  // The cache file of a plan ("" when there is no cache directory).
+  std::string cache_file(const GemmShape& s, const GemmAlign& al) const;
+  bool search_ = true;
+  std::string device_tag_;  // device name, SM count, cuBLASLt version
   cublasLtHandle_t handle_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;
   std::map<cudaStream_t, void*> workspaces_;  // per stream, allocated on first use

@@ -105,6 +105,67 @@ double gemm_alignment_check(int ordinal, int offset, bool b_col, bool a_col) {
   return max_err / scale;
 }
 
+// The GEMM plans of a device and what the algorithm search chose for each (gemm.h, Choice).
+nb::list gemm_plans(int ordinal) {
+  using namespace jaxoverlap;
+  DeviceRuntime* dev = nullptr;
+  nb::list out;
+  {
+    DeviceGuard guard;
+    if (cudaSetDevice(ordinal) || !device_runtime(ordinal, &dev).empty()) return out;
+  }
+  std::vector<GemmRunner::Choice> choices;
+  {
+    std::lock_guard<std::mutex> hold(dev->launch_mu);
+    choices = dev->gemm.choices();
+  }
+  for (const auto& c : choices) {
+    nb::dict d;
+    d["m"] = c.m, d["n"] = c.n, d["k"] = c.k, d["sm_count"] = c.sm_count;
+    d["accumulate"] = c.accumulate, d["candidates"] = c.candidates, d["chosen"] = c.chosen;
+    d["ms_first"] = c.ms_first, d["ms_best"] = c.ms_best, d["note"] = c.note;
+    d["cached"] = c.cached;
+    out.append(d);
+  }
+  return out;
+}
+
+// Tools: ms per launch of cuBLASLt's top candidates for a bf16 GEMM m x k x n (row-major, + C
+// when `accumulate`), on the GEMM stream of the green-context partition leaving `comm_sms` SMs
+// to communication (its SM count targeted), or on the whole device when comm_sms is 0.
+nb::tuple gemm_candidates(int ordinal, int64_t m, int64_t n, int64_t k, bool accumulate,
+                          int comm_sms) {
+  using namespace jaxoverlap;
+  DeviceGuard guard;
+  DeviceRuntime* dev = nullptr;
+  if (cudaSetDevice(ordinal)) throw std::runtime_error("cudaSetDevice failed");
+  if (std::string e = device_runtime(ordinal, &dev); !e.empty()) throw std::runtime_error(e);
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> whole;  // per device, for the life of the process
+  cudaStream_t stream = nullptr;
+  int sms = 0;
+  if (comm_sms > 0) {
+    Partition* part = nullptr;
+    if (std::string e = partition(dev, comm_sms, &part); !e.empty()) throw std::runtime_error(e);
+    stream = part->gemm;
+    sms = part->gemm_sms;
+  } else {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!whole.count(ordinal) && cudaStreamCreateWithFlags(&whole[ordinal], cudaStreamNonBlocking))
+      throw std::runtime_error("cudaStreamCreate failed");
+    stream = whole[ordinal];
+  }
+  std::vector<float> ms;
+  std::string e;
+  {
+    std::lock_guard<std::mutex> hold(dev->launch_mu);
+    e = dev->gemm.candidates_ms(GemmShape{m, n, k, DType::kBF16, accumulate, sms, false}, stream,
+                                &ms);
+  }
+  if (!e.empty()) throw std::runtime_error(e);
+  return nb::make_tuple(sms, ms);
+}
+
 // Test-only: out = own + the sum of `count` blocks (bf16, `elems` each, blocks `stride` elements
 // apart) through the copy-engine handlers' sum kernel (kernels/ce.cu), in place when `in_place`
 // (out aliases own, as the copy-engine reduce-scatter uses it). Returns the max error relative
@@ -189,6 +250,15 @@ NB_MODULE(_native, m) {
   m.def("_sum_blocks_check", &sum_blocks_check, nb::arg("ordinal"), nb::arg("count"),
         nb::arg("elems"), nb::arg("stride"), nb::arg("in_place") = false,
         "Test-only: relative error of the copy-engine handlers' sum of pushed blocks.");
+  m.def("gemm_plans", &gemm_plans, nb::arg("ordinal"),
+        "The GEMM plans of a CUDA ordinal: shape, SM target, and which of cuBLASLt's candidates "
+        "the timing chose (ms of the heuristic's first choice and of the kept one).");
+  m.def("set_gemm_cache_dir", &jaxoverlap::GemmRunner::set_cache_dir, nb::arg("path"),
+        "The directory where GEMM algorithm choices are shared between processes ('': none).");
+  m.def("_gemm_candidates", &gemm_candidates, nb::arg("ordinal"), nb::arg("m"), nb::arg("n"),
+        nb::arg("k"), nb::arg("accumulate") = false, nb::arg("comm_sms") = 0,
+        "Tools: (SM target, [ms per launch of each of cuBLASLt's top candidates]) for a bf16 "
+        "GEMM on random data, on the partition leaving comm_sms SMs (0: the whole device).");
   m.def("memory_in_use", &jaxoverlap::memory_in_use,
         "Device memory in use on a CUDA ordinal (total - free, cudaMemGetInfo), bytes; -1 on error.");
   m.def(

@@ -6,18 +6,18 @@ time a fused op is lowered. Importing the extension initialises no CUDA state; o
 (and `can_access_peer`) touch CUDA. Without a built extension, or without the cuBLASLt library,
 `unavailable_reason` says why and every op takes the reference path.
 
-Multi-process meshes (one process per GPU) are not supported yet: the symmetric workspace is
-mapped with peer access inside one process; exchanging CUDA IPC handles through the
-``jax.distributed`` key-value store is the planned next step.
+Workspaces of groups that span processes are set up by `jaxoverlap.xproc` at lowering time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 import os
 import threading
 
+log = logging.getLogger("jaxoverlap")
 _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
@@ -87,7 +87,23 @@ def register_targets():
 
         for name, stages in mod.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+        _share_gemm_choices(mod)
         _registered = True
+
+
+def _share_gemm_choices(mod):
+    """Points the GEMM runner's algorithm choices (ffi/gemm.h) at the tuner's cache, under the
+    tuner's fingerprint: every process of this machine then computes a shape with the algorithm
+    the first of them measured fastest (the same bits on every rank and rerun)."""
+    from jaxoverlap import tune
+
+    path = os.path.join(tune.cache_dir(), f"gemm-{tune.fingerprint()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # read-only home: every process times its own choice
+        log.warning("jaxoverlap: GEMM choices not shared between processes (%s)", e)
+        return
+    mod.set_gemm_cache_dir(path)
 
 
 def can_access_peer(a: int, b: int) -> bool:

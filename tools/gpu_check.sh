@@ -3,12 +3,14 @@
 # GPU tests, the op benchmarks and the CPU test suite, and prints the summary table LAST.
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
-#                      [--layer] [--stress]
+#                      [--layer] [--stress] [--gemm-probe]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
 # --layer: also the transformer layer's train step (tuned first; tuning cache under $LOG);
 # --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked).
+# --gemm-probe: also tools/probes/gemm_search_probe.py (one GPU: the fused schedule's GEMM work
+# against XLA's GEMM, cuBLASLt's first choice vs the best of its candidates).
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
@@ -28,7 +30,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-530}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
-BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0
+BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -38,7 +40,8 @@ for a in "$@"; do
     --skip-cpu-tests) CPU_TESTS=0 ;;
     --layer) LAYER=1 ;;
     --stress) STRESS=1 ;;
-    -h | --help) sed -n 2,16p "$0"; exit 0 ;;
+    --gemm-probe) GEMM_PROBE=1 ;;
+    -h | --help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -103,10 +106,17 @@ if ((TESTS)); then
   else
     # One GPU: only what runs there -- two processes sharing it (tests/gpu/test_xproc_gpu.py:
     # every fused op and the training path with two ranks, time-sliced; no speed).
-    echo "one GPU: running the tests two processes can run on it (tests/gpu/test_xproc_gpu.py)"
+    echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
     step gpu-tests-one-gpu 300 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      "$PY" -m pytest tests/gpu/test_xproc_gpu.py -q -p no:cacheprovider -rA -k "not bitwise"
+      "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py -q \
+      -p no:cacheprovider -rA -k "not bitwise"
   fi
+fi
+if ((GEMM_PROBE)); then
+  # One GPU suffices: the fused schedule's GEMM work (no communication) against XLA's GEMM, with
+  # cuBLASLt's first choice and with the best of its candidates (ffi/gemm.h's search).
+  step gemm-probe 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" \
+    tools/probes/gemm_search_probe.py --json "$RESULTS/gemm_search_probe.json"
 fi
 if ((NGPU < 2 && (BENCH || STRESS || LAYER))); then
   echo "one GPU: benchmarks, stress and the layer need two GPUs; skipped"

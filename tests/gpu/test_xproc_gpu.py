@@ -68,6 +68,7 @@ def _results(out):
         "matmul_reduce_scatter_cols_3d",
         "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
         "all_gather_matmul_k_3d",
+        "gemm_search",  # the plans those calls made: algorithms timed, none failed
     ],
 )
 def test_ops_across_processes(gpus_any, op, xproc_ops):

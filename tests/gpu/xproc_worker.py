@@ -181,10 +181,30 @@ def main(process, nproc, port, gpu, mode):
     else:  # ops: each fused op (forward), every case reported.
         for case in cases:
             check(*case)
+        report_gemm_search(gpu)
     # Process 0 hosts the coordinator: its exit would stop the others before they report.
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("xproc/done", 120_000)
+
+
+def report_gemm_search(gpu):
+    """The GEMM plans the fused calls made (ffi/gemm.h): their algorithms chosen by timing on
+    the partition streams, or adopted from the shared cache; a note is a failed search."""
+    from jaxoverlap import runtime
+
+    plans = runtime.native().gemm_plans(gpu)
+    failed = [p for p in plans if p["note"] not in ("", "one candidate")]
+    searched = [p for p in plans if p["candidates"] > 1]
+    faster = [p["ms_first"] / p["ms_best"] for p in searched if p["ms_best"] > 0]
+    tag = "OK" if plans and searched and not failed else "FAILED"
+    print(
+        f"gemm_search {tag} plans={len(plans)} searched={len(searched)} "
+        f"cached={sum(p['cached'] for p in plans)} "
+        f"changed={sum(p['chosen'] != 0 for p in plans)} "
+        f"max_gain={max(faster, default=1.0):.3f} notes={sorted({p['note'] for p in failed})}",
+        flush=True,
+    )
 
 
 def op_cases(mesh, arr, timeout_s):
