@@ -87,8 +87,9 @@ def register_targets():
 
         for name, stages in mod.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="CUDA")
-        _share_gemm_choices(mod)
         _registered = True
+    # Outside the lock: the fingerprint loads the extension through native(), which takes it.
+    _share_gemm_choices(mod)
 
 
 def _share_gemm_choices(mod):

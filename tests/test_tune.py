@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -112,3 +114,31 @@ def test_copy_engine_candidates_only_once_new_kernels_are_allowed(monkeypatch):
     monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
     assert (2, 0) in tune.candidates("matmul_reduce_scatter")
     assert all(sms != 0 for _, sms in tune.candidates("matmul_all_reduce"))  # no CE handler
+
+
+def test_register_targets_shares_gemm_choices_without_deadlock(monkeypatch, tmp_path):
+    """register_targets points the GEMM runner's choices at the tuner's cache directory; the
+    fingerprint it needs loads the extension through native(), which takes the registration
+    lock: done under that lock it would deadlock at the first fused lowering."""
+    import threading
+
+    from jaxoverlap import runtime
+
+    seen = []
+
+    class FakeNative:
+        def registrations(self):
+            return {}
+
+        def set_gemm_cache_dir(self, path):
+            seen.append(path)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(runtime, "_native", FakeNative())
+    monkeypatch.setattr(runtime, "_registered", False)
+    t = threading.Thread(target=runtime.register_targets, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "register_targets deadlocked"
+    assert len(seen) == 1 and seen[0].startswith(str(tmp_path / "jaxoverlap" / "gemm-")), seen
+    assert os.path.isdir(seen[0])

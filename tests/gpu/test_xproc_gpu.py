@@ -30,6 +30,7 @@ def _run(mode, *, timeout=240, env=()):
         **os.environ,
         "PYTHONPATH": os.getcwd(),
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",  # two processes may share one GPU
+        "XPROC_STACKS_AFTER_S": str(max(timeout - 20, 10)),  # a hang shows where it is
         **dict(env),
     }
     procs = [
@@ -49,7 +50,8 @@ def _run(mode, *, timeout=240, env=()):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"xproc worker ({mode}) hung past {timeout} s")
+            tails = [f"--- process {i}:\n{q.communicate()[0][-4000:]}" for i, q in enumerate(procs)]
+            pytest.fail(f"xproc worker ({mode}) hung past {timeout} s\n" + "\n".join(tails))
     return outs
 
 

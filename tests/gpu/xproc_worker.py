@@ -18,6 +18,7 @@ process 1 never lowers the op; process 0's lowering must fail naming process 1
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -27,6 +28,8 @@ import numpy as np
 
 
 def main(process, nproc, port, gpu, mode):
+    if os.environ.get("XPROC_STACKS_AFTER_S"):  # every thread's stack, if still running then
+        faulthandler.dump_traceback_later(float(os.environ["XPROC_STACKS_AFTER_S"]))
     import jax
 
     jax.distributed.initialize(
