@@ -2,8 +2,8 @@
 joined by jax.distributed, each driving one GPU (on a one-GPU machine both drive GPU 0, where
 the kernels time-slice), run every fused op with backend="fused" (tests/gpu/xproc_worker.py):
 the fused custom call is compiled in, results match a float32 reference; a peer that compiled
-but never runs makes the other time out naming it and refuse later calls, with XLA work still
-running; a peer that never lowers makes the other's lowering fail naming it."""
+but never runs, or is killed, makes the other time out naming it and refuse later calls, with
+XLA work still running; a peer that never lowers makes the other's lowering fail naming it."""
 
 from __future__ import annotations
 
@@ -86,6 +86,16 @@ def xproc_ops():
 
 def test_stalled_peer_process(gpus_any):
     out0, _ = _run("stall", timeout=120)
+    r = _results(out0)
+    for tag in ("stall", "refused", "xla_after"):
+        assert tag in r and " OK" in r[tag], f"{tag}: {r.get(tag)}\n{out0[-3000:]}"
+
+
+def test_killed_peer_process(gpus_any):
+    """A peer process killed after the workspace was exchanged (its exported buffers still
+    mapped here): the call gives up within the timeout naming peer rank 1, NaN output, later
+    calls refused, XLA still runs."""
+    out0, _ = _run("killed", timeout=120)
     r = _results(out0)
     for tag in ("stall", "refused", "xla_after"):
         assert tag in r and " OK" in r[tag], f"{tag}: {r.get(tag)}\n{out0[-3000:]}"

@@ -11,6 +11,7 @@ and that the fused custom call is in the compiled HLO. Prints ``<tag> OK ...`` o
 runs the op; process 0 must get NaN and a timeout naming peer rank 1 within the timeout, then a
 refusal of its next fused call, while plain XLA work still runs. MODE ``stall_many``: the same
 with 16 fused calls launched ahead: all given up within a few timeouts, not one each. MODE
+``killed``: as ``stall``, but process 1 kills itself (SIGKILL) after compiling. MODE
 ``train``: the training path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``:
 process 1 never lowers the op; process 0's lowering must fail naming process 1
 (JAXOVERLAP_SETUP_TIMEOUT_S).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -104,12 +106,16 @@ def main(process, nproc, port, gpu, mode):
         else:
             time.sleep(float(os.environ["JAXOVERLAP_SETUP_TIMEOUT_S"]) + 10)
         return
-    if mode == "stall":
+    if mode in ("stall", "killed"):
         _, f, *_ = op_cases(mesh, arr, 3.0)[0]
         c = f.lower(*args_rs).compile()
         if process == 1:
+            if mode == "killed":  # its buffers are mapped in process 0: a dead exporter
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(20)  # compiled, never run: process 0's waits must time out
             return
+        if mode == "killed":
+            time.sleep(3)  # the peer is gone before the call starts
         t0 = time.time()
         y = c(*args_rs)
         jax.block_until_ready(y)
@@ -130,6 +136,8 @@ def main(process, nproc, port, gpu, mode):
             print(f"refused {tag}: {str(e)[:200]}", flush=True)
         z = jax.jit(lambda a: a @ a.T)(jnp.ones((256, 256)))
         print(f"xla_after OK {float(z[0, 0])}", flush=True)
+        if mode == "killed":  # jax.distributed's shutdown would wait for the dead peer
+            os._exit(0)
         return
 
     if mode == "stall_many":
