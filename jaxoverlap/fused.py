@@ -94,7 +94,10 @@ def tuned(op, m_total, k, n_cols, dtype, n):
         op, m_total, k, n_cols, str(np.dtype(dtype)), n,
         devices[0].device_kind,
     )  # fmt: skip
-    return tune.lookup(key)
+    entry = tune.lookup(key)
+    if jax.process_count() > 1:  # every process lowers the same program (xproc.agree)
+        entry = xproc.agree("tuned/" + xproc.exchange_key((), (key.id(),)), entry)
+    return entry
 
 
 def tuned_setting(op, m_total, k, n_cols, dtype, n):

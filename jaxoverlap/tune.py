@@ -17,9 +17,10 @@ From Python, ``jaxoverlap.tune.tune_function(fn, *args)`` tunes every jaxoverlap
 
 The cache lives in ``$XDG_CACHE_HOME/jaxoverlap`` (default ``~/.cache/jaxoverlap``), one file
 per fingerprint of what the timings depend on (jaxlib version, the native extension's build,
-the GPU driver), so a rebuilt extension or a new driver starts empty. Decisions are taken once,
-at lowering, in the one process that drives every GPU of the group, so all ranks agree. (Several
-processes per group are not supported yet; each would read its own cache and must agree.)
+the GPU driver), so a rebuilt extension or a new driver starts empty. Decisions are taken at
+trace and lowering time from data every rank shares: in one process from its cache; with several
+processes (`jax.distributed`) each offers the entry of its own cache and all use the first one
+offered (`jaxoverlap.xproc.agree`), so no two processes can lower different programs.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ job already has (no MPI, no NVSHMEM, no server of ours):
   under ``jaxoverlap/v1/facts/<process>``. A spanning group's decision reads its processes'
   facts and is a pure function of them (`topology.cross_process_reason`), so every process
   decides the same.
+* **Decisions** (`agree`): where a process's own data could differ from another's (its tuning
+  cache), the first value any process offered, adopted by all.
 * **Workspace** (`prepare`, at lowering, when the sizes are known): this process allocates its
   member's buffers and exports them by CUDA IPC (``_native.ws_export``), publishes the handles
   under a key that every process derives alike (the op, shapes, settings and the members'
@@ -37,6 +39,7 @@ SETUP_TIMEOUT_S = float(os.environ.get("JAXOVERLAP_SETUP_TIMEOUT_S", "300"))
 _published = False
 _facts: dict[int, dict] = {}
 _prepared: set = set()
+_agreed: dict[str, object] = {}
 
 
 class CrossProcessError(RuntimeError):
@@ -127,6 +130,29 @@ def decide(groups, *, kv=None, process_index=None, local_devices=None):
             text = _get(kv, f"{PREFIX}/facts/{p}", f"process {p}'s GPU facts")
             _facts[p] = json.loads(text)
     return topology.cross_process_reason(groups, _facts)
+
+
+def agree(name, value, *, kv=None):
+    """The value of ``name`` that every process uses: the first one any process offered.
+    Each process offers its own ``value`` (a JSON-able decision, e.g. a tuning entry read from
+    its own cache) and adopts whichever the store kept -- a key-value set without overwrite
+    fails when the key exists -- so no process ever waits for another, and a decision that
+    differed between processes (caches on different disks, one written mid-job) cannot make
+    one lower a fused call while the other lowers XLA's collectives. Once agreed, a name keeps
+    its value for the job."""
+    if name in _agreed:
+        return _agreed[name]
+    kv = kv or client()
+    if kv is None:
+        return value
+    key = f"{PREFIX}/agree/{name}"
+    try:
+        kv.key_value_set(key, json.dumps(value))
+    except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process offered first
+        pass
+    text = _get(kv, key, f"the agreed value of {name}", timeout_s=60)
+    _agreed[name] = json.loads(text)
+    return _agreed[name]
 
 
 def exchange_key(ids, what):

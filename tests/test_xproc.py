@@ -283,3 +283,53 @@ def test_exchange_through_the_distributed_key_value_store(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] exchange OK 0" in r.stdout and "[1] exchange OK 1" in r.stdout
     assert "[0] absent OK" in r.stdout, r.stdout + r.stderr
+
+
+class StrictKV(FakeKV):
+    """Like jax.distributed's client (checked with jax 0.11.2 and 0.12): a set without
+    allow_overwrite raises when the key exists (ALREADY_EXISTS)."""
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if key in self.store and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists")
+        self.store[key] = value
+
+
+def test_agree_takes_the_first_offer(monkeypatch):
+    kv = StrictKV({})
+    monkeypatch.setattr(xproc, "_agreed", {})
+    assert xproc.agree("tuned/a", {"choice": "fused", "chunks": 2}, kv=kv) == {
+        "choice": "fused",
+        "chunks": 2,
+    }
+    monkeypatch.setattr(xproc, "_agreed", {})  # another process, whose cache says otherwise
+    assert xproc.agree("tuned/a", {"choice": "xla"}, kv=kv)["choice"] == "fused"
+    assert xproc.agree("tuned/b", None, kv=kv) is None  # "not tuned" is a decision too
+
+
+def test_tuned_entry_is_agreed_across_processes(monkeypatch):
+    """With several processes, fused.tuned returns the agreed entry, not this process's own."""
+    import jax
+
+    from jaxoverlap import fused, tune
+
+    class Gpu:
+        platform = "gpu"
+        device_kind = "NVIDIA H200"
+
+    kv = StrictKV({})
+    monkeypatch.setattr(xproc, "_agreed", {})
+    monkeypatch.setattr(xproc, "client", lambda: kv)
+    monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    mine = {"choice": "xla", "chunks": None, "comm_sms": None}
+    theirs = {"choice": "fused", "chunks": 4, "comm_sms": 8}
+    monkeypatch.setattr(tune, "lookup", lambda key, path=None: mine)
+    key = tune.Key("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2, "NVIDIA H200")
+    kv.store[f"{xproc.PREFIX}/agree/tuned/" + xproc.exchange_key((), (key.id(),))] = json.dumps(
+        theirs
+    )
+    assert fused.tuned("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2) == theirs
+    assert fused.tuned_setting("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2) == (4, 8)
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # one process: its own cache
+    assert fused.tuned("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2) == mine
