@@ -72,6 +72,10 @@ std::string GemmRunner::init() {
     device_tag_ = std::string(prop.name) + "/" + std::to_string(sms) + "/" +
                   std::to_string(cublasLtGetVersion());
   cudaGetLastError();
+  // The workspace of GEMMs captured on XLA's streams (stream_workspace), allocated now: nothing
+  // can be allocated under capture.
+  if (cudaError_t e = cudaMalloc(&captured_workspace_, workspace_bytes_))
+    return std::string("cudaMalloc of a cuBLASLt workspace failed: ") + cudaGetErrorString(e);
   cublasStatus_t s = cublasLtCreate(&handle_);
   if (s != CUBLAS_STATUS_SUCCESS) return lt_error("cublasLtCreate", s);
   return "";
@@ -110,6 +114,16 @@ int GemmRunner::alignment(const void* p) {
 std::string GemmRunner::stream_workspace(cudaStream_t stream, void** out) {
   auto it = workspaces_.find(stream);
   if (it == workspaces_.end()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(stream, &capture);
+    if (capture != cudaStreamCaptureStatusNone) {
+      // XLA's trace stream (a new one per capture): no allocation is possible here. Every
+      // captured GEMM on a stream of XLA's shares one workspace: XLA's command buffers run
+      // their commands one after another (its default, LHS scheduling mode).
+      if (!captured_workspace_) return "no cuBLASLt workspace for GEMMs captured into a CUDA graph";
+      *out = captured_workspace_;
+      return "";
+    }
     void* p = nullptr;
     if (cudaError_t e = cudaMalloc(&p, workspace_bytes_))
       return std::string("cudaMalloc of a cuBLASLt workspace failed: ") + cudaGetErrorString(e);
@@ -201,9 +215,17 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, cudaStream
   Choice& c = p.choice;
   c = Choice{s.m, s.n, s.k, s.sm_count, s.accumulate};
   const std::string path = found > 1 ? cache_file(s, al) : "";
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &capture);
   if (found <= 1) {
     c.note = search_ ? "one candidate" : "JAXOVERLAP_GEMM_SEARCH=0";
-  } else if (path.empty() || !read_choice(path, found, &c)) {
+  } else if (!path.empty() && read_choice(path, found, &c)) {
+    // another process's (or an earlier run's) choice
+  } else if (capture != cudaStreamCaptureStatusNone) {
+    // Planned while XLA captures a CUDA graph (a new operand alignment after the warm-up):
+    // nothing can be timed there; the heuristic's first choice, not published.
+    c.note = "planned under graph capture";
+  } else {
     std::vector<float> ms;
     c.note = time_candidates(p, s, al, r, found, stream, &ms);
     if (c.note.empty()) {

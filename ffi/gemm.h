@@ -105,6 +105,7 @@ class GemmRunner {
   cublasLtHandle_t handle_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;
   std::map<cudaStream_t, void*> workspaces_;  // per stream, allocated on first use
+  void* captured_workspace_ = nullptr;        // GEMMs on XLA's streams under graph capture
   std::map<std::tuple<decltype(GemmShape{}.key()), decltype(GemmAlign{}.key())>, Plan> plans_;
 };
 

@@ -60,6 +60,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;  // one rank's block of the output = one slot
   const int64_t chunk_bytes = mc * N * elt;
+  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, true, &ws); !e.empty())
@@ -100,6 +101,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
     // kernels with the real pointers' alignments (garbage into the partials and the output,
     // both overwritten below) and wait for them, before anything of this call can spin.
     if (!ws->warmed[rank]) {
+      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
       CK(cudaDeviceSynchronize());
       if (std::string e = dev->gemm.run(foreign, xp, wp, nullptr, partials, xla_stream);
           !e.empty())
@@ -114,7 +116,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
                                     ws->done[rank]);
         e.failure())
       return e;
-    CK(cudaStreamWaitEvent(xla_stream, ws->done[rank]));
+    CK(wait_done(xla_stream, ws->done[rank]));
     for (int t = 0; communicate && t < n - 1; ++t)
       CK(launch_ce_wait_slot_free(peers, (rank + 1 + t) % (int)n, kOpGemmRs, timeout_ns, err,
                                   dev->copy));

@@ -62,6 +62,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   Partition* part = nullptr;
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;
+  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, true, &ws, all_reduce);
@@ -115,9 +116,10 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       return e;
     if (all_reduce) {  // the copy stream too (fork_streams recorded dev->fork)
       CK(cudaStreamWaitEvent(dev->copy, dev->fork));
-      CK(cudaStreamWaitEvent(dev->copy, ws->done[rank]));
+      CK(wait_done(dev->copy, ws->done[rank]));
     }
     if (!ws->warmed[rank]) {
+      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
       // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
       // launched, with the pointers' alignments of the real calls (plans depend on them): the
       // foreign GEMM as below, the own GEMM with C in our memory and D = the output (both are

@@ -58,6 +58,7 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
     *out = &it->second;
     return "";
   }
+  if (std::string e = capture_setup_error("an SM partition"); !e.empty()) return e;
   const Driver& d = driver();
   if (!d.error.empty()) return "green contexts unavailable: " + d.error;
   CUdevice cu_dev;

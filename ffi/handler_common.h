@@ -139,6 +139,7 @@ inline std::string row_gemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
 // consumer against a producer that is not loaded yet).
 inline std::string preload(DeviceRuntime* dev) {
   if (dev->kernels_loaded) return "";
+  if (std::string e = capture_setup_error("the communication kernels"); !e.empty()) return e;
   if (cudaError_t e = preload_comm_kernels())
     return std::string("preloading the communication kernels failed: ") + cudaGetErrorString(e);
   dev->kernels_loaded = true;
@@ -149,6 +150,8 @@ inline std::string preload(DeviceRuntime* dev) {
 // handler lock: the copy stream (highest priority, so its one-thread signal kernels are scheduled
 // ahead of queued GEMM blocks) and the copy-engine protocol kernels.
 inline std::string ce_setup(DeviceRuntime* dev) {
+  if (!dev->ce_kernels_loaded || !dev->copy)
+    if (std::string e = capture_setup_error("the copy-engine kernels"); !e.empty()) return e;
   if (!dev->ce_kernels_loaded) {
     if (cudaError_t e = preload_ce_kernels())
       return std::string("preloading the copy-engine kernels failed: ") + cudaGetErrorString(e);
@@ -178,6 +181,12 @@ inline ffi::Error ce_call_start(const char* kWhat, DeviceRuntime* dev, int32_t d
   return ffi::Error::Success();
 }
 
+// Before a workspace's first-call warm-up (GEMM plans, kernel loading, host synchronisation):
+// "" unless the call is being captured, where none of that is possible (runtime.h).
+inline std::string warm_up_allowed() {
+  return capture_setup_error("a workspace's GEMM warm-up (its first call on this device)");
+}
+
 // The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
 // wait for XLA's stream and for the previous call of the same workspace on this device
 // (`ws_done`, recorded by `join`): calls of one workspace never overlap on a device, even when
@@ -188,7 +197,7 @@ inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, Devic
   for (cudaStream_t s : {part->gemm, part->comm}) {
     if (s == part->gemm && !gemm) continue;
     CK(cudaStreamWaitEvent(s, dev->fork));
-    CK(cudaStreamWaitEvent(s, ws_done));
+    CK(wait_done(s, ws_done));
   }
   return ffi::Error::Success();
 }
@@ -216,7 +225,7 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
   ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
   CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
                           xla_stream, false, out.data2, out.bytes2, err, ws->ordinals[rank], rank));
-  CK(cudaEventRecord(ws->done[rank], xla_stream));
+  CK(record_done(ws->done[rank], xla_stream));
   return ffi::Error::Success();
 }
 
@@ -232,7 +241,7 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
     cudaStreamWaitEvent(xla_stream, dev->gemm_done);
     cudaStreamWaitEvent(xla_stream, dev->comm_done);
   }
-  cudaStreamWaitEvent(xla_stream, ws->done[rank]);
+  wait_done(xla_stream, ws->done[rank]);
   launch_release_slots(ws->peers[rank], xla_stream);
   Flags* local = ws->peers[rank].flags[rank];
   if (poison)
@@ -240,7 +249,7 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
                          poison->data2, poison->bytes2);
   else
     launch_finish(local, xla_stream);
-  cudaEventRecord(ws->done[rank], xla_stream);
+  record_done(ws->done[rank], xla_stream);
   cudaGetLastError();
 }
 

@@ -259,6 +259,14 @@ NB_MODULE(_native, m) {
         nb::arg("k"), nb::arg("accumulate") = false, nb::arg("comm_sms") = 0,
         "Tools: (SM target, [ms per launch of each of cuBLASLt's top candidates]) for a bf16 "
         "GEMM on random data, on the partition leaving comm_sms SMs (0: the whole device).");
+  m.def(
+      "handler_calls",
+      [] {
+        const jaxoverlap::HandlerCalls c = jaxoverlap::handler_calls();
+        return nb::make_tuple(c.all, c.captured);
+      },
+      "(all, captured): host invocations of the fused handlers so far, and how many of them "
+      "XLA was capturing into a CUDA graph (replays of a graph invoke nothing on the host).");
   m.def("memory_in_use", &jaxoverlap::memory_in_use,
         "Device memory in use on a CUDA ordinal (total - free, cudaMemGetInfo), bytes; -1 on error.");
   m.def(

@@ -72,11 +72,38 @@ const char* op_name(int op) {
 
 }  // namespace
 
+namespace {
+thread_local bool t_capturing = false;
+std::atomic<int64_t> g_calls{0}, g_captured_calls{0};
+}  // namespace
+
+CaptureScope::CaptureScope(cudaStream_t xla_stream) : saved_(t_capturing) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  t_capturing = cudaStreamIsCapturing(xla_stream, &st) == cudaSuccess &&
+                st == cudaStreamCaptureStatusActive;
+  ++g_calls;
+  if (t_capturing) ++g_captured_calls;
+}
+CaptureScope::~CaptureScope() { t_capturing = saved_; }
+
+bool under_capture() { return t_capturing; }
+
+std::string capture_setup_error(const std::string& what) {
+  if (!t_capturing) return "";
+  return "first use of " + what + " while XLA captures a CUDA graph: set-up cannot be captured, "
+         "and XLA runs every command buffer once uncaptured first, so this call site skipped "
+         "it. Run the program without command buffers (XLA_FLAGS="
+         "--xla_gpu_enable_command_buffer=, or JAXOVERLAP_COMMAND_BUFFERS=0) and report this";
+}
+
+HandlerCalls handler_calls() { return {g_calls.load(), g_captured_calls.load()}; }
+
 std::string device_runtime(int ordinal, DeviceRuntime** out) {
   Cell<DeviceRuntime>* c = cell(g_devices, ordinal);
   std::lock_guard<std::mutex> lock(c->mu);  // this device's set-up only
   auto& slot = c->obj;
   if (!slot) {
+    if (std::string e = capture_setup_error("the device runtime"); !e.empty()) return e;
     auto dev = std::make_unique<DeviceRuntime>();
     dev->ordinal = ordinal;
     DeviceGuard guard;
@@ -437,6 +464,7 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
     return c->error;
   }
   if (!c->obj) {
+    if (std::string e = capture_setup_error("a workspace"); !e.empty()) return e;
     auto ws = std::make_unique<Workspace>();
     ws->n = (int)ordinals.size();
     ws->ordinals = ordinals;

@@ -190,6 +190,46 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
 // mappings); for a creation that failed half way.
 void free_workspace(Workspace* ws);
 
+// XLA's command buffers (CUDA graphs). The handlers declare themselves compatible (registered
+// with COMMAND_BUFFER_COMPATIBLE, jaxoverlap/runtime.py): XLA then runs every command buffer once
+// uncaptured (its warm-up), captures each handler call on a trace stream (thread-local capture
+// mode) and replays the graph without running any host code of ours until a buffer address
+// changes. Everything a call needs per launch lives on the GPU already (epochs advance in the
+// finish kernel, abort words are indexed by them, the workspace's done event becomes a graph
+// node), so a replay is a correct call. Under capture nothing may allocate, synchronise or time:
+// the one-time set-up (device runtime, partitions, workspaces, kernel loading, the GEMM warm-up
+// and algorithm search) must have run in an earlier, uncaptured call; a call that would need
+// it fails with capture_setup_error() instead of corrupting the capture.
+class CaptureScope {  // for the duration of one handler call on this thread
+ public:
+  explicit CaptureScope(cudaStream_t xla_stream);
+  ~CaptureScope();
+
+ private:
+  bool saved_;
+};
+// Whether the handler call running on this thread is being captured.
+bool under_capture();
+// "" when not under capture, else the error of a call that would have to set up `what`.
+std::string capture_setup_error(const std::string& what);
+// Host invocations of the handlers since the process started: all, and those under capture
+// (tests: a call in a CUDA graph runs on the host once for any number of replays).
+struct HandlerCalls {
+  int64_t all, captured;
+};
+HandlerCalls handler_calls();
+
+// The workspace's done event crosses calls: recorded by one call (join, close_call), waited on by
+// the next. An event recorded outside a capture cannot be waited on inside it (nor one recorded
+// inside a graph outside it) unless both are external event nodes; outside capture these are
+// plain records and waits.
+inline cudaError_t record_done(cudaEvent_t done, cudaStream_t stream) {
+  return cudaEventRecordWithFlags(done, stream, cudaEventRecordExternal);
+}
+inline cudaError_t wait_done(cudaStream_t stream, cudaEvent_t done) {
+  return cudaStreamWaitEvent(stream, done, cudaEventWaitExternal);
+}
+
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);
 

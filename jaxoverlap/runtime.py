@@ -18,6 +18,9 @@ import os
 import threading
 
 log = logging.getLogger("jaxoverlap")
+# The fused handlers may be captured into XLA's command buffers (CUDA graphs); 0 keeps every
+# fused call outside them (each then splits its command buffer, as before).
+COMMAND_BUFFERS = os.environ.get("JAXOVERLAP_COMMAND_BUFFERS", "1") != "0"
 _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
@@ -85,8 +88,13 @@ def register_targets():
             return
         import jax
 
+        from jax._src.lib import xla_client
+
+        traits = xla_client.CustomCallTargetTraits.DEFAULT
+        if COMMAND_BUFFERS:  # XLA may capture the handlers into CUDA graphs (ffi/runtime.h)
+            traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, stages in mod.registrations().items():
-            jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+            jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)
         _registered = True
     # Outside the lock: the fingerprint loads the extension through native(), which takes it.
     _share_gemm_choices(mod)

@@ -189,6 +189,8 @@ def main(process, nproc, port, gpu, mode):
         from tests.gpu import xproc_training
 
         xproc_training.run(mesh, arr)
+    elif mode == "graphs":
+        run_graphs(mesh, arr, process, dump)
     else:  # ops: each fused op (forward), every case reported.
         for case in cases:
             check(*case)
@@ -197,6 +199,94 @@ def main(process, nproc, port, gpu, mode):
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("xproc/done", 120_000)
+
+
+def run_graphs(mesh, arr, process, dump, executions=5):
+    """Fused ops among enough other work for XLA to put them in a command buffer (at least
+    xla_gpu_graph_min_graph_size = 5 convertible thunks in a row), plain and as the body of a
+    4-step lax.scan; run ``executions`` times. Per program: every execution's bits equal the
+    first's, values near a float32 reference, and how often the handlers ran on the host
+    (_native.handler_calls): with command buffers on, XLA runs a call once uncaptured (warm-up),
+    once under capture, and then replays the graph without us -- far fewer host calls than
+    device calls; with them off (XLA_FLAGS), one host call per device call."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config, runtime
+
+    nat = runtime.native()
+    cfg = Config(backend="fused", timeout_s=60.0)
+    ce = Config(backend="fused", comm_sms=0, timeout_s=60.0)
+    rng = np.random.default_rng(7)
+    M, K, N, L = 1024, 1024, 512, 4
+
+    def rand(*shape):
+        return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(jnp.bfloat16)
+
+    x, w = rand(L, M, K), rand(K, N)
+    u = {N: rand(N, N), N // 2: rand(N // 2, N // 2)}  # after a scatter of rows, of columns
+    rs = lambda c: lambda h, b: jaxoverlap.matmul_reduce_scatter(h, b, "tp", config=c)  # noqa: E731
+    ag = lambda h, b: jaxoverlap.all_gather_matmul(h, b, "tp", config=cfg)  # noqa: E731
+
+    def layer(op, a, b, v):  # tanh, the fused op, GEMM, sin, GEMM, exp: six thunks
+        y = op(jnp.tanh(a), b)
+        return jnp.exp(jnp.sin(y @ v) @ v.T * 0.5)
+
+    def ref_layer(a, b, v, block):  # the rank's block of the fused op's result, then local work
+        f = lambda t: np.asarray(t, np.float32)  # noqa: E731
+        y = (np.tanh(f(a)) @ f(b))[block]
+        return np.exp((np.sin(y @ f(v)) @ f(v).T) * 0.5)
+
+    cases = {  # tag: (op, x spec, w spec, out spec, the local work's width)
+        "rs": (rs(cfg), P(None, None, "tp"), P("tp", None), P(None, "tp", None), N),
+        "rs_ce": (rs(ce), P(None, None, "tp"), P("tp", None), P(None, "tp", None), N),
+        "ag": (ag, P(None, "tp", None), P(None, "tp"), P(None, None, "tp"), N // 2),
+    }
+    for tag, (op, xs, ws, os_, width) in cases.items():
+        for scan in (False, True):
+            name = f"graphs_{tag}{'_scan' if scan else ''}"
+            try:
+
+                def body(a, b, v, op=op, scan=scan):
+                    if not scan:
+                        return layer(op, a[0], b, v)[None]
+
+                    def step(c, a_i):
+                        y = layer(op, a_i, b, v)
+                        return c + jnp.sum(y, dtype=jnp.float32), y
+
+                    _, ys = lax.scan(step, jnp.float32(0), a)
+                    return ys
+
+                f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xs, ws, P()), out_specs=os_))
+                args = (arr(x, xs), arr(w, ws), arr(u[width], P()))
+                steps = L if scan else 1
+                before = nat.handler_calls()
+                outs = [f(*args) for _ in range(executions)]
+                jax.block_until_ready(outs)
+                jaxoverlap.check_errors()
+                after = nat.handler_calls()
+                calls, captured = after[0] - before[0], after[1] - before[1]
+                (shard,) = outs[0].addressable_shards
+                got = np.asarray(shard.data, np.float32)
+                bits = [np.asarray(o.addressable_shards[0].data).view(np.uint16) for o in outs]
+                same = all(np.array_equal(bits[0], b_) for b_ in bits[1:])
+                want = np.stack([ref_layer(x[i], w, u, shard.index[1:]) for i in range(steps)])
+                err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+                ok = same and np.isfinite(got).all() and err < 5e-2
+                if dump:
+                    np.save(os.path.join(dump, f"{name}.{process}.npy"), bits[0])
+                print(
+                    f"{name} {'OK' if ok else 'FAILED'} host_calls={calls} captured={captured} "
+                    f"device_calls={executions * steps} repeat_bitwise={same} rel_err={err:.1e}",
+                    flush=True,
+                )
+            except Exception as e:  # report every case
+                print(f"{name} FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+                traceback.print_exc()
 
 
 def report_gemm_search(gpu):
