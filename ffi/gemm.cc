@@ -343,9 +343,16 @@ std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, co
   void* ws = nullptr;
   if (std::string err = stream_workspace(stream, &ws); !err.empty()) return err;
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
+  cudaStreamCaptureStatus before = cudaStreamCaptureStatusNone, after = before;
+  cudaStreamIsCapturing(stream, &before);
   cublasStatus_t st = cublasLtMatmul(handle_, p->desc, &alpha, b, p->la, a, p->lb, &beta, cin,
                                      p->lc, d, p->lc, &p->algo, ws, workspace_bytes_, stream);
   if (st != CUBLAS_STATUS_SUCCESS) return lt_error("cublasLtMatmul", st);
+  if (before == cudaStreamCaptureStatusActive &&
+      (cudaStreamIsCapturing(stream, &after) != cudaSuccess ||
+       after != cudaStreamCaptureStatusActive))
+    return "cublasLtMatmul invalidated the CUDA graph capture (" + std::to_string(s.m) + "x" +
+           std::to_string(s.k) + "x" + std::to_string(s.n) + ")";
   return "";
 }
 

@@ -32,10 +32,12 @@ inline ffi::Error invalid(const std::string& what, const std::string& msg) {
 }
 
 // CK(call): returns the failed CUDA call and its error as an internal error of the op named by
-// `kWhat`, which must be in scope.
+// `kWhat`, which must be in scope; under XLA's graph capture, also a call that invalidated it.
 #define CK(call)                                                                \
   if (cudaError_t ce = (call); ce != cudaSuccess) {                             \
     return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
+  } else if (std::string lost = capture_lost(#call); !lost.empty()) {           \
+    return internal(kWhat, lost);                                               \
   }
 
 // The lowering sends, for every device of the program in this process, its CUDA ordinal, its

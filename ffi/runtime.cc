@@ -74,19 +74,29 @@ const char* op_name(int op) {
 
 namespace {
 thread_local bool t_capturing = false;
+thread_local cudaStream_t t_capture_stream = nullptr;
 std::atomic<int64_t> g_calls{0}, g_captured_calls{0};
 }  // namespace
 
-CaptureScope::CaptureScope(cudaStream_t xla_stream) : saved_(t_capturing) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  t_capturing = cudaStreamIsCapturing(xla_stream, &st) == cudaSuccess &&
-                st == cudaStreamCaptureStatusActive;
+CaptureScope::CaptureScope(cudaStream_t xla_stream)
+    : saved_(t_capturing), saved_stream_(t_capture_stream) {
+  t_capturing = stream_capturing(xla_stream);
+  t_capture_stream = xla_stream;
   ++g_calls;
   if (t_capturing) ++g_captured_calls;
 }
-CaptureScope::~CaptureScope() { t_capturing = saved_; }
+CaptureScope::~CaptureScope() {
+  t_capturing = saved_;
+  t_capture_stream = saved_stream_;
+}
 
 bool under_capture() { return t_capturing; }
+
+std::string capture_lost(const char* what) {
+  if (!t_capturing || stream_capturing(t_capture_stream)) return "";
+  return std::string("XLA's CUDA graph capture of this call was invalidated by ") + what +
+         " (last CUDA error: " + cudaGetErrorString(cudaPeekAtLastError()) + ")";
+}
 
 std::string capture_setup_error(const std::string& what) {
   if (!t_capturing) return "";

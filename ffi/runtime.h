@@ -207,9 +207,13 @@ class CaptureScope {  // for the duration of one handler call on this thread
 
  private:
   bool saved_;
+  cudaStream_t saved_stream_;
 };
 // Whether the handler call running on this thread is being captured.
 bool under_capture();
+// Under capture: "" while XLA's capture is intact, else a sentence saying that `what` (the CUDA
+// call just made) invalidated it -- CUDA only says so when XLA ends the capture, naming nothing.
+std::string capture_lost(const char* what);
 // "" when not under capture, else the error of a call that would have to set up `what`.
 std::string capture_setup_error(const std::string& what);
 // Host invocations of the handlers since the process started: all, and those under capture
@@ -221,13 +225,19 @@ HandlerCalls handler_calls();
 
 // The workspace's done event crosses calls: recorded by one call (join, close_call), waited on by
 // the next. An event recorded outside a capture cannot be waited on inside it (nor one recorded
-// inside a graph outside it) unless both are external event nodes; outside capture these are
-// plain records and waits.
+// inside a graph outside it) unless both are external event nodes; outside capture the external
+// flags are illegal (measured: "operation cannot be performed in the present state"), so they
+// are used only on a stream that is capturing.
+inline bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &st) == cudaSuccess && st == cudaStreamCaptureStatusActive;
+}
 inline cudaError_t record_done(cudaEvent_t done, cudaStream_t stream) {
-  return cudaEventRecordWithFlags(done, stream, cudaEventRecordExternal);
+  return stream_capturing(stream) ? cudaEventRecordWithFlags(done, stream, cudaEventRecordExternal)
+                                  : cudaEventRecord(done, stream);
 }
 inline cudaError_t wait_done(cudaStream_t stream, cudaEvent_t done) {
-  return cudaStreamWaitEvent(stream, done, cudaEventWaitExternal);
+  return cudaStreamWaitEvent(stream, done, stream_capturing(stream) ? cudaEventWaitExternal : 0);
 }
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.

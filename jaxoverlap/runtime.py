@@ -87,7 +87,6 @@ def register_targets():
         if _registered:
             return
         import jax
-
         from jax._src.lib import xla_client
 
         traits = xla_client.CustomCallTargetTraits.DEFAULT
