@@ -18,9 +18,11 @@ import os
 import threading
 
 log = logging.getLogger("jaxoverlap")
-# The fused handlers may be captured into XLA's command buffers (CUDA graphs); 0 keeps every
-# fused call outside them (each then splits its command buffer, as before).
-COMMAND_BUFFERS = os.environ.get("JAXOVERLAP_COMMAND_BUFFERS", "1") != "0"
+# JAXOVERLAP_COMMAND_BUFFERS=1 lets XLA capture the fused handlers into its command buffers
+# (CUDA graphs; ffi/runtime.h). Off by default: fused ops alone and in lax.scan run correctly
+# captured, but the scanned training step of tests/gpu/xproc_training.py still fails XLA's
+# capture (docs/measurements.md, run 41). Off, every fused call splits its command buffer.
+COMMAND_BUFFERS = os.environ.get("JAXOVERLAP_COMMAND_BUFFERS", "0") == "1"
 _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
