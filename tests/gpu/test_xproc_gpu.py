@@ -114,10 +114,10 @@ def _graph_counts(line):
 def test_fused_calls_in_command_buffers(gpus_any, tmp_path):
     """Fused ops among other work, alone and in lax.scan, with the handlers registered
     COMMAND_BUFFER_COMPATIBLE (JAXOVERLAP_COMMAND_BUFFERS=1) and XLA's command buffers on and
-    off: every execution repeats its bits and is near the reference; on, XLA captured the calls
-    (re-capturing whenever buffer addresses change, as fresh outputs do) and, inside the scan,
-    replays the graph without running the handler on the host; off, one host call per device
-    call; and on and off give the same bits."""
+    off: every execution repeats its bits and is near the reference; on, XLA captures the calls
+    of the scan bodies and replays the graph without running the handler on the host (outside
+    a scan XLA may leave a call ungraphed, or re-capture it when fresh outputs change buffer
+    addresses); off, one host call per device call; and on and off give the same bits."""
     runs = {}
     for mode, flags in (("on", ""), ("off", " --xla_gpu_enable_command_buffer=")):
         env = {
@@ -141,8 +141,8 @@ def test_fused_calls_in_command_buffers(gpus_any, tmp_path):
             c_on, c_off = _graph_counts(r_on[tag]), _graph_counts(r_off[tag])
             device = int(c_on["device_calls"])
             assert int(c_off["host_calls"]) == device and c_off["captured"] == "0", report
-            assert int(c_on["captured"]) >= 1, f"never captured\n{report}"
-            if tag.endswith("_scan"):  # the body's buffers keep their addresses: replays
+            if tag.endswith("_scan"):  # XLA graphs the body; its buffers keep their addresses
+                assert int(c_on["captured"]) >= 1, f"never captured\n{report}"
                 assert int(c_on["host_calls"]) < device, f"not replayed\n{report}"
             a = np.load(tmp_path / "on" / f"{tag}.{p}.npy")
             b = np.load(tmp_path / "off" / f"{tag}.{p}.npy")
