@@ -190,8 +190,9 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
 // mappings); for a creation that failed half way.
 void free_workspace(Workspace* ws);
 
-// XLA's command buffers (CUDA graphs). The handlers declare themselves compatible (registered
-// with COMMAND_BUFFER_COMPATIBLE, jaxoverlap/runtime.py): XLA then runs every command buffer once
+// XLA's command buffers (CUDA graphs). With JAXOVERLAP_COMMAND_BUFFERS=1 the handlers are
+// registered COMMAND_BUFFER_COMPATIBLE (jaxoverlap/runtime.py; opt-in while a scanned training
+// step still fails XLA's capture, docs/measurements.md run 41): XLA runs every command buffer once
 // uncaptured (its warm-up), captures each handler call on a trace stream (thread-local capture
 // mode) and replays the graph without running any host code of ours until a buffer address
 // changes. Everything a call needs per launch lives on the GPU already (epochs advance in the
