@@ -14,6 +14,8 @@ the GEMM floor of the fused op. Prints a table; JSON rows with --json PATH.
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import jax
@@ -22,20 +24,12 @@ import numpy as np
 
 from jaxoverlap import runtime
 
-BENCH = [
-    (8192, 4096, 8192),
-    (8192, 14336, 8192),
-    (16384, 8192, 8192),
-    (4096, 4096, 4096),
-    (2048, 8192, 8192),
-]
-LAYERS = [
-    (8192, 2048, 4096),
-    (8192, 7168, 4096),
-    (8192, 8192, 16384),
-    (8192, 26624, 16384),
-    (16384, 3584, 4096),
-]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import _common  # noqa: E402  (the benchmarks' shapes, not a copy of them)
+from matmul_reduce_scatter import LAYER_SHAPES  # noqa: E402
+
+BENCH = list(_common.SHAPES)
+LAYERS = [s for s in LAYER_SHAPES if s not in BENCH]
 
 
 def xla_ms(m, k, n, reps=20, samples=7):
