@@ -81,7 +81,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   Workspace* ws;
   const int64_t block_bytes = m * K * elt;  // one rank's block of x = one staging slot
   const int64_t chunk_bytes = mc * K * elt;
-  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
@@ -131,8 +131,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     // kernel for this shape, and wait for it. Only then may this call's waits be enqueued. The
     // lock held here is this device's only: the peer's handler thread goes on meanwhile.
     bool own_done = false;
-    if (!ws->warmed[rank]) {
-      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
+    if (warm_up_now(ws, rank)) {
       CK(cudaDeviceSynchronize());
       // Also the plan for an A operand in a staging slot (its alignment may differ from x's):
       // garbage into the rows of the peer block that the real GEMM below overwrites (along K:

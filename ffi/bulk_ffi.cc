@@ -72,7 +72,7 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   cudaSetDevice(device);
   DeviceRuntime* dev;
   Workspace* ws;
-  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
@@ -121,8 +121,7 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
 
     // First call of this workspace on this device: load both GEMMs' kernels (and pick their
     // plans) and wait for them before anything of this call can spin (as in ag_ffi.cc).
-    if (!ws->warmed[rank]) {
-      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
+    if (warm_up_now(ws, rank)) {
       CK(cudaDeviceSynchronize());
       if (std::string e = dgrad_gemm(); !e.empty()) return internal(kWhat, e);
       if (std::string e = wgrad_gemm(); !e.empty()) return internal(kWhat, e);

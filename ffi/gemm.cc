@@ -1,5 +1,7 @@
 #include "gemm.h"
 
+#include "capture.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -215,27 +217,42 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, cudaStream
   Choice& c = p.choice;
   c = Choice{s.m, s.n, s.k, s.sm_count, s.accumulate};
   const std::string path = found > 1 ? cache_file(s, al) : "";
+  // Planned while XLA captures the call (a call site whose first call was captured, or a new
+  // operand alignment): nothing may run on `stream` now, so the candidates are timed on a stream
+  // of a set-up thread, on the whole device rather than the GEMM's partition, and the choice is
+  // kept here, not published; the chosen kernel has run once, so it is loaded before any graph
+  // that captures it is launched.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(stream, &capture);
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  bool ran = false;
   if (found <= 1) {
     c.note = search_ ? "one candidate" : "JAXOVERLAP_GEMM_SEARCH=0";
   } else if (!path.empty() && read_choice(path, found, &c)) {
     // another process's (or an earlier run's) choice
-  } else if (capture != cudaStreamCaptureStatusNone) {
-    // Planned while XLA captures a CUDA graph (a new operand alignment after the warm-up):
-    // nothing can be timed there; the heuristic's first choice, not published.
-    c.note = "planned under graph capture";
   } else {
     std::vector<float> ms;
-    c.note = time_candidates(p, s, al, r, found, stream, &ms);
+    c.note = capturing ? time_outside_capture(p, s, al, r, found, &ms)
+                       : time_candidates(p, s, al, r, found, stream, &ms);
     if (c.note.empty()) {
       int best = 0;
       for (int i = 1; i < found; ++i)
         if (ms[i] < ms[best]) best = i;
       if (!(ms[best] < 0.99f * ms[0])) best = 0;  // within noise: the heuristic's choice
       c.candidates = found, c.chosen = best, c.ms_first = ms[0], c.ms_best = ms[best];
+      ran = true;
       // Another process chose first: take its choice, so both compute the same bits.
-      if (!path.empty() && !publish_choice(path, c)) read_choice(path, found, &c);
+      if (capturing)
+        c.note = "timed on the whole device while XLA captured its call (not published)";
+      else if (!path.empty() && !publish_choice(path, c))
+        read_choice(path, found, &c);
+    }
+  }
+  if (capturing && !ran) {  // load the chosen kernel: run it once on scratch operands
+    std::vector<float> ms;
+    if (std::string e = time_outside_capture(p, s, al, &r[c.chosen], 1, &ms); !e.empty()) {
+      destroy(&p);
+      return "loading a GEMM kernel while XLA captures its call: " + e;
     }
   }
   p.algo = r[c.chosen].algo;
@@ -244,9 +261,35 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, cudaStream
   return "";
 }
 
+std::string GemmRunner::time_outside_capture(const Plan& p, const GemmShape& s,
+                                             const GemmAlign& al,
+                                             const cublasLtMatmulHeuristicResult_t* r, int found,
+                                             std::vector<float>* ms) {
+  return outside_capture("timing GEMM candidates", [&]() -> std::string {
+    cudaStream_t side = nullptr;
+    if (cudaError_t e = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking))
+      return std::string("cudaStreamCreate: ") + cudaGetErrorString(e);
+    void* ws = nullptr;
+    std::string note;
+    if (cudaError_t e = cudaMallocAsync(&ws, workspace_bytes_, side)) {
+      note = std::string("cudaMallocAsync of a cuBLASLt workspace: ") + cudaGetErrorString(e);
+      ws = nullptr;
+    } else {
+      note = time_candidates(p, s, al, r, found, side, ms, ws);
+      cudaFreeAsync(ws, side);
+    }
+    if (cudaError_t e = cudaStreamSynchronize(side); e != cudaSuccess && note.empty())
+      note = std::string("cudaStreamSynchronize: ") + cudaGetErrorString(e);
+    cudaStreamDestroy(side);
+    cudaGetLastError();
+    return note;
+  });
+}
+
 std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const GemmAlign& al,
                                         const cublasLtMatmulHeuristicResult_t* r, int found,
-                                        cudaStream_t stream, std::vector<float>* ms) {
+                                        cudaStream_t stream, std::vector<float>* ms,
+                                        void* workspace) {
   // Scratch operands as large as the real ones (leading dimensions included), each offset from
   // its 256-byte-aligned base by the real pointer's alignment, filled with random values. All
   // stream-ordered (cudaMallocAsync/cudaFreeAsync): nothing here synchronises the device, only
@@ -261,7 +304,7 @@ std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const
   const FillType out_type = s.f32_out ? FillType::kF32 : in_type;
   char* base[4] = {};
   void* ptr[4] = {};
-  void* ws = nullptr;
+  void* ws = workspace;
   cudaEvent_t ev[2] = {};
   std::string note;
   auto fail = [&](const char* what, cudaError_t e) {
@@ -269,7 +312,8 @@ std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const
     if (note.empty()) note = std::string(what) + ": " + cudaGetErrorString(e);
   };
   ms->assign(found, std::numeric_limits<float>::infinity());
-  if (std::string e = stream_workspace(stream, &ws); !e.empty()) return e;
+  if (!ws)
+    if (std::string e = stream_workspace(stream, &ws); !e.empty()) return e;
   for (int i = 0; i < 4 && note.empty(); ++i) {
     const int offset = aligns[i] >= 256 ? 0 : aligns[i];
     if (cudaError_t e = cudaMallocAsync((void**)&base[i], sizes[i] + 256, stream)) {
@@ -340,6 +384,7 @@ std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, co
   const GemmAlign al{alignment(a), alignment(b), alignment(cin), alignment(d)};
   Plan* p = nullptr;
   if (std::string err = plan(s, al, stream, &p); !err.empty()) return err;
+  capture_mark("planning a GEMM");
   void* ws = nullptr;
   if (std::string err = stream_workspace(stream, &ws); !err.empty()) return err;
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
@@ -353,6 +398,7 @@ std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, co
        after != cudaStreamCaptureStatusActive))
     return "cublasLtMatmul invalidated the CUDA graph capture (" + std::to_string(s.m) + "x" +
            std::to_string(s.k) + "x" + std::to_string(s.n) + ")";
+  capture_mark("a cuBLASLt GEMM");
   return "";
 }
 

@@ -94,9 +94,16 @@ class GemmRunner {
   static void destroy(Plan* p);
   // Times `found` candidates for `p` on `stream` (scratch operands with the alignments `al`);
   // ms[i] per launch, +inf for one that failed. "" or why no timing was possible.
+  // `workspace`: cuBLASLt's (null: `stream`'s own, stream_workspace).
   std::string time_candidates(const Plan& p, const GemmShape& s, const GemmAlign& al,
                               const cublasLtMatmulHeuristicResult_t* r, int found,
-                              cudaStream_t stream, std::vector<float>* ms);
+                              cudaStream_t stream, std::vector<float>* ms,
+                              void* workspace = nullptr);
+  // The same on a stream of a set-up thread, for a GEMM planned while XLA captures its call
+  // (capture.h: outside_capture); synchronises that stream only.
+  std::string time_outside_capture(const Plan& p, const GemmShape& s, const GemmAlign& al,
+                                   const cublasLtMatmulHeuristicResult_t* r, int found,
+                                   std::vector<float>* ms);
   std::string stream_workspace(cudaStream_t stream, void** out);
   // The cache file of a plan ("" when there is no cache directory).
   std::string cache_file(const GemmShape& s, const GemmAlign& al) const;

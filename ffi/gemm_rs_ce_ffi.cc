@@ -60,7 +60,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;  // one rank's block of the output = one slot
   const int64_t chunk_bytes = mc * N * elt;
-  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, true, &ws); !e.empty())
@@ -100,8 +100,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
     // First call of this workspace on this device: drain the device, then load both GEMMs'
     // kernels with the real pointers' alignments (garbage into the partials and the output,
     // both overwritten below) and wait for them, before anything of this call can spin.
-    if (!ws->warmed[rank]) {
-      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
+    if (warm_up_now(ws, rank)) {
       CK(cudaDeviceSynchronize());
       if (std::string e = dev->gemm.run(foreign, xp, wp, nullptr, partials, xla_stream);
           !e.empty())

@@ -62,7 +62,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   Partition* part = nullptr;
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;
-  CaptureScope capture(xla_stream);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, true, &ws, all_reduce);
@@ -118,8 +118,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       CK(cudaStreamWaitEvent(dev->copy, dev->fork));
       CK(wait_done(dev->copy, ws->done[rank]));
     }
-    if (!ws->warmed[rank]) {
-      if (std::string e = warm_up_allowed(); !e.empty()) return internal(kWhat, e);
+    if (warm_up_now(ws, rank)) {
       // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
       // launched, with the pointers' alignments of the real calls (plans depend on them): the
       // foreign GEMM as below, the own GEMM with C in our memory and D = the output (both are

@@ -52,13 +52,7 @@ std::string cu_error(const char* what, CUresult r) {
 
 }  // namespace
 
-std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
-  auto it = dev->partitions.find(comm_sms);
-  if (it != dev->partitions.end()) {
-    *out = &it->second;
-    return "";
-  }
-  if (std::string e = capture_setup_error("an SM partition"); !e.empty()) return e;
+static std::string create_partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
   const Driver& d = driver();
   if (!d.error.empty()) return "green contexts unavailable: " + d.error;
   CUdevice cu_dev;
@@ -100,6 +94,16 @@ std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
   auto [pos, _] = dev->partitions.emplace(comm_sms, p);
   *out = &pos->second;
   return "";
+}
+
+std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out) {
+  auto it = dev->partitions.find(comm_sms);
+  if (it != dev->partitions.end()) {
+    *out = &it->second;
+    return "";
+  }
+  return outside_capture("creating an SM partition",
+                         [&] { return create_partition(dev, comm_sms, out); });
 }
 
 }  // namespace jaxoverlap

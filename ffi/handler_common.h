@@ -141,31 +141,33 @@ inline std::string row_gemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
 // consumer against a producer that is not loaded yet).
 inline std::string preload(DeviceRuntime* dev) {
   if (dev->kernels_loaded) return "";
-  if (std::string e = capture_setup_error("the communication kernels"); !e.empty()) return e;
-  if (cudaError_t e = preload_comm_kernels())
-    return std::string("preloading the communication kernels failed: ") + cudaGetErrorString(e);
-  dev->kernels_loaded = true;
-  return "";
+  return outside_capture("loading the communication kernels", [dev]() -> std::string {
+    if (cudaError_t e = preload_comm_kernels())
+      return std::string("preloading the communication kernels failed: ") + cudaGetErrorString(e);
+    dev->kernels_loaded = true;
+    return "";
+  });
 }
 
 // For the handlers whose pushes ride on the copy engine, once per device, under the device's
 // handler lock: the copy stream (highest priority, so its one-thread signal kernels are scheduled
 // ahead of queued GEMM blocks) and the copy-engine protocol kernels.
 inline std::string ce_setup(DeviceRuntime* dev) {
-  if (!dev->ce_kernels_loaded || !dev->copy)
-    if (std::string e = capture_setup_error("the copy-engine kernels"); !e.empty()) return e;
-  if (!dev->ce_kernels_loaded) {
-    if (cudaError_t e = preload_ce_kernels())
-      return std::string("preloading the copy-engine kernels failed: ") + cudaGetErrorString(e);
-    dev->ce_kernels_loaded = true;
-  }
-  if (!dev->copy) {
-    int least = 0, greatest = 0;
-    cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
-      return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
-  }
-  return "";
+  if (dev->ce_kernels_loaded && dev->copy) return "";
+  return outside_capture("setting up the copy engine's stream and kernels", [dev]() -> std::string {
+    if (!dev->ce_kernels_loaded) {
+      if (cudaError_t e = preload_ce_kernels())
+        return std::string("preloading the copy-engine kernels failed: ") + cudaGetErrorString(e);
+      dev->ce_kernels_loaded = true;
+    }
+    if (!dev->copy) {
+      int least = 0, greatest = 0;
+      cudaDeviceGetStreamPriorityRange(&least, &greatest);
+      if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
+        return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
+    }
+    return "";
+  });
 }
 
 // The start of a copy-engine handler's call, after begin_call: our kernels loaded, the copy
@@ -180,13 +182,18 @@ inline ffi::Error ce_call_start(const char* kWhat, DeviceRuntime* dev, int32_t d
     return internal(kWhat, "test-only failure injected on this rank after begin_call");
   *err = error_record(device);
   if (!*err) return internal(kWhat, "could not allocate the host-mapped error record");
+  capture_mark("ce_call_start");
   return ffi::Error::Success();
 }
 
-// Before a workspace's first-call warm-up (GEMM plans, kernel loading, host synchronisation):
-// "" unless the call is being captured, where none of that is possible (runtime.h).
-inline std::string warm_up_allowed() {
-  return capture_setup_error("a workspace's GEMM warm-up (its first call on this device)");
+// Whether a workspace's first call on this device runs its warm-up: drain the device, run the
+// call's GEMMs once on its own buffers (planning them, loading their kernels) and wait, so that
+// no kernel of ours spins while a kernel loads. Not while XLA captures the call: nothing of it
+// runs then, and writing the buffers would race with XLA's work still in flight on them; the
+// GEMMs plan and load themselves on scratch operands instead (gemm.h), and the warm-up stays
+// due for the first uncaptured call.
+inline bool warm_up_now(const Workspace* ws, int rank) {
+  return !ws->warmed[rank] && !under_capture();
 }
 
 // The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
@@ -237,10 +244,13 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
 // XLA's stream. Best effort: errors of these CUDA calls are ignored.
 inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partition* part,
                        Workspace* ws, int rank, const Output* poison = nullptr) {
-  if (part) {
-    cudaEventRecord(dev->gemm_done, part->gemm);
-    cudaEventRecord(dev->comm_done, part->comm);
-    cudaStreamWaitEvent(xla_stream, dev->gemm_done);
+  // Join the streams this call launched on. Under XLA's capture, a stream the call never forked
+  // holds nothing of it, and waiting for it would invalidate the capture (an event recorded
+  // outside it): only the forked ones join.
+  const bool capturing = stream_capturing(xla_stream);
+  for (cudaStream_t s : {part ? part->gemm : nullptr, part ? part->comm : nullptr}) {
+    if (!s || s == xla_stream || (capturing && !stream_capturing(s))) continue;
+    cudaEventRecord(dev->comm_done, s);
     cudaStreamWaitEvent(xla_stream, dev->comm_done);
   }
   wait_done(xla_stream, ws->done[rank]);
@@ -268,6 +278,7 @@ inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceR
   std::string refused;
   bool misordered = false;
   *index = begin_call(ws, rank, id, &refused, &misordered);
+  capture_mark("begin_call");
   *given_up = misordered && refused.empty();
   if (!*given_up && refused.empty()) return ffi::Error::Success();
   preload(dev);  // best effort: this may be the device's first call (its kernels not loaded yet)
@@ -289,6 +300,7 @@ inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceR
 inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
                             const Partition* part, Workspace* ws, int rank, uint32_t index,
                             const Output& out, const ffi::Error& err) {
+  capture_mark("the start of fail_call");
   abort_call(ws, index);
   close_call(xla_stream, dev, part, ws, rank, &out);
   report_failure(err.message() + " (on device " + std::to_string(ws->ordinals[rank]) +

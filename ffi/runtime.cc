@@ -76,18 +76,21 @@ std::string device_runtime(int ordinal, DeviceRuntime** out) {
   std::lock_guard<std::mutex> lock(c->mu);  // this device's set-up only
   auto& slot = c->obj;
   if (!slot) {
-    if (std::string e = capture_setup_error("the device runtime"); !e.empty()) return e;
-    auto dev = std::make_unique<DeviceRuntime>();
-    dev->ordinal = ordinal;
     DeviceGuard guard;
     if (cudaError_t e = cudaSetDevice(ordinal)) return cuda_error("cudaSetDevice", e);
-    if (cudaError_t e = cudaDeviceGetAttribute(&dev->total_sms, cudaDevAttrMultiProcessorCount,
-                                               ordinal))
-      return cuda_error("cudaDeviceGetAttribute", e);
-    for (cudaEvent_t* ev : {&dev->fork, &dev->gemm_done, &dev->comm_done})
-      if (cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming))
-        return cuda_error("cudaEventCreate", e);
-    if (std::string err = dev->gemm.init(); !err.empty()) return err;
+    auto dev = std::make_unique<DeviceRuntime>();
+    dev->ordinal = ordinal;
+    if (std::string err = outside_capture("setting up the device runtime", [&]() -> std::string {
+          if (cudaError_t e = cudaDeviceGetAttribute(&dev->total_sms,
+                                                     cudaDevAttrMultiProcessorCount, ordinal))
+            return cuda_error("cudaDeviceGetAttribute", e);
+          for (cudaEvent_t* ev : {&dev->fork, &dev->gemm_done, &dev->comm_done})
+            if (cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming))
+              return cuda_error("cudaEventCreate", e);
+          return dev->gemm.init();
+        });
+        !err.empty())
+      return err;
     slot = std::move(dev);
   }
   *out = slot.get();
@@ -437,13 +440,15 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
     return c->error;
   }
   if (!c->obj) {
-    if (std::string e = capture_setup_error("a workspace"); !e.empty()) return e;
     auto ws = std::make_unique<Workspace>();
     ws->n = (int)ordinals.size();
     ws->ordinals = ordinals;
     ws->block_bytes = block_bytes;
     DeviceGuard guard;
-    if (std::string err = create_workspace(ws.get(), with_partials, with_gather); !err.empty()) {
+    if (std::string err = outside_capture("creating a workspace", [&] {
+          return create_workspace(ws.get(), with_partials, with_gather);
+        });
+        !err.empty()) {
       free_workspace(ws.get());
       c->error = err;
       for (int r = 0; r < ws->n && r < kMaxRanks; ++r) c->owed[r] = r != rank;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "call_order.h"
+#include "capture.h"
 #include "gemm.h"
 #include "kernels/common.cuh"
 
@@ -189,57 +190,6 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
 // Frees what a workspace holds on this process's devices (its own allocations, the peers'
 // mappings); for a creation that failed half way.
 void free_workspace(Workspace* ws);
-
-// XLA's command buffers (CUDA graphs). With JAXOVERLAP_COMMAND_BUFFERS=1 the handlers are
-// registered COMMAND_BUFFER_COMPATIBLE (jaxoverlap/runtime.py; opt-in while a scanned training
-// step still fails XLA's capture, docs/measurements.md run 41): XLA runs every command buffer once
-// uncaptured (its warm-up), captures each handler call on a trace stream (thread-local capture
-// mode) and replays the graph without running any host code of ours until a buffer address
-// changes. Everything a call needs per launch lives on the GPU already (epochs advance in the
-// finish kernel, abort words are indexed by them, the workspace's done event becomes a graph
-// node), so a replay is a correct call. Under capture nothing may allocate, synchronise or time:
-// the one-time set-up (device runtime, partitions, workspaces, kernel loading, the GEMM warm-up
-// and algorithm search) must have run in an earlier, uncaptured call; a call that would need
-// it fails with capture_setup_error() instead of corrupting the capture.
-class CaptureScope {  // for the duration of one handler call on this thread
- public:
-  explicit CaptureScope(cudaStream_t xla_stream);
-  ~CaptureScope();
-
- private:
-  bool saved_;
-  cudaStream_t saved_stream_;
-};
-// Whether the handler call running on this thread is being captured.
-bool under_capture();
-// Under capture: "" while XLA's capture is intact, else a sentence saying that `what` (the CUDA
-// call just made) invalidated it -- CUDA only says so when XLA ends the capture, naming nothing.
-std::string capture_lost(const char* what);
-// "" when not under capture, else the error of a call that would have to set up `what`.
-std::string capture_setup_error(const std::string& what);
-// Host invocations of the handlers since the process started: all, and those under capture
-// (tests: a call in a CUDA graph runs on the host once for any number of replays).
-struct HandlerCalls {
-  int64_t all, captured;
-};
-HandlerCalls handler_calls();
-
-// The workspace's done event crosses calls: recorded by one call (join, close_call), waited on by
-// the next. An event recorded outside a capture cannot be waited on inside it (nor one recorded
-// inside a graph outside it) unless both are external event nodes; outside capture the external
-// flags are illegal (measured: "operation cannot be performed in the present state"), so they
-// are used only on a stream that is capturing.
-inline bool stream_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &st) == cudaSuccess && st == cudaStreamCaptureStatusActive;
-}
-inline cudaError_t record_done(cudaEvent_t done, cudaStream_t stream) {
-  return stream_capturing(stream) ? cudaEventRecordWithFlags(done, stream, cudaEventRecordExternal)
-                                  : cudaEventRecord(done, stream);
-}
-inline cudaError_t wait_done(cudaStream_t stream, cudaEvent_t done) {
-  return cudaStreamWaitEvent(stream, done, stream_capturing(stream) ? cudaEventWaitExternal : 0);
-}
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);

@@ -189,6 +189,22 @@ def test_training_path_across_processes(gpus_any, case, xproc_train):
         assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"
 
 
+def test_training_in_command_buffers(gpus_any):
+    """The training path's fused calls (the scanned two-layer MLP's forward and backward among
+    them) with the handlers registered COMMAND_BUFFER_COMPATIBLE: XLA captures some of them into
+    its command buffers, and every case is still correct and repeats its bits."""
+    env = {"JAXOVERLAP_COMMAND_BUFFERS": "1", "XPROC_CASES": ",".join(TRAINING_CASES[-3:])}
+    outs = _run("train", env=env)
+    captured = 0
+    for rank, out in enumerate(outs):
+        for case in TRAINING_CASES[-3:]:
+            line = _results(out).get(case)
+            assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"
+            captured += int(line.split("captured=")[1].split()[0])
+        assert "capture was invalidated" not in out, out[-3000:]
+    assert captured > 0, "no fused call was captured: the test checks nothing"
+
+
 def test_bitwise_equal_to_one_process(gpus, tmp_path):
     """2 processes x 1 GPU against 1 process x 2 GPUs (this pytest process): the same fused
     calls on the same inputs give the same bits (needs 2 GPUs)."""

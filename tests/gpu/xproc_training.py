@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_backward
+from jaxoverlap import Config, fused, fused_backward, runtime
 from tests.gpu import training_models
 
 FUSED = Config(backend="fused", timeout_s=60.0)
@@ -45,6 +45,7 @@ def _case(tag, build, host, specs, dtype, targets, mesh, arr):
         local = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
         args = [arr(a, s) for a, s in zip(host, specs, strict=True)]
         fused_fn = build(mesh, FUSED)
+        calls_before = runtime.native().handler_calls()
         hlo = fused_fn.lower(*args).compile().as_text()
         for t in targets:
             assert f'custom_call_target="{t}"' in hlo, f"{t} not in the compiled HLO"
@@ -56,9 +57,12 @@ def _case(tag, build, host, specs, dtype, targets, mesh, arr):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(again), strict=True):
             sa, sb = a.addressable_shards[0].data, b.addressable_shards[0].data
             assert np.array_equal(np.asarray(sa), np.asarray(sb)), "not deterministic"
+        jax.block_until_ready(again)
+        calls = runtime.native().handler_calls()
         want = build(local, XLA)(*[jnp.asarray(a) for a in host])
         _compare(tag, got, want, dtype)
-        print(f"{tag} OK", flush=True)
+        # With command buffers (JAXOVERLAP_COMMAND_BUFFERS=1), how many host calls were captured.
+        print(f"{tag} OK captured={calls[1] - calls_before[1]}", flush=True)
     except Exception as e:  # report every case
         print(f"{tag} FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
         traceback.print_exc()
