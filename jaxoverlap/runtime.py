@@ -19,9 +19,11 @@ import threading
 
 log = logging.getLogger("jaxoverlap")
 # JAXOVERLAP_COMMAND_BUFFERS=1 lets XLA capture the fused handlers into its command buffers
-# (CUDA graphs; ffi/runtime.h). Off by default: fused ops alone and in lax.scan run correctly
-# captured, but the scanned training step of tests/gpu/xproc_training.py still fails XLA's
-# capture (docs/measurements.md, run 41). Off, every fused call splits its command buffer.
+# (CUDA graphs; ffi/capture.h). Off by default: captured calls run correctly (fused ops alone, in
+# lax.scan, the scanned training step; docs/measurements.md runs 40 and 44, one GPU shared by two
+# processes) but are not yet measured on two GPUs, and a replayed call runs no host code, so its
+# error surfaces later (check_errors() or a call that is not replayed). Off, every fused call
+# splits its command buffer.
 COMMAND_BUFFERS = os.environ.get("JAXOVERLAP_COMMAND_BUFFERS", "0") == "1"
 _lock = threading.Lock()
 _native = None
