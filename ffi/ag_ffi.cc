@@ -81,7 +81,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
   Workspace* ws;
   const int64_t block_bytes = m * K * elt;  // one rank's block of x = one staging slot
   const int64_t chunk_bytes = mc * K * elt;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())

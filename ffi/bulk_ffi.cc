@@ -72,7 +72,7 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   cudaSetDevice(device);
   DeviceRuntime* dev;
   Workspace* ws;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())

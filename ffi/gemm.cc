@@ -1,7 +1,5 @@
 #include "gemm.h"
 
-#include "capture.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -17,6 +15,7 @@
 #include <functional>
 #include <mutex>
 
+#include "capture.h"
 #include "kernels/fill.h"
 
 namespace jaxoverlap {
@@ -241,11 +240,11 @@ std::string GemmRunner::plan(const GemmShape& s, const GemmAlign& al, cudaStream
       if (!(ms[best] < 0.99f * ms[0])) best = 0;  // within noise: the heuristic's choice
       c.candidates = found, c.chosen = best, c.ms_first = ms[0], c.ms_best = ms[best];
       ran = true;
-      // Another process chose first: take its choice, so both compute the same bits.
       if (capturing)
         c.note = "timed on the whole device while XLA captured its call (not published)";
       else if (!path.empty() && !publish_choice(path, c))
-        read_choice(path, found, &c);
+        read_choice(path, found, &c);  // another process chose first: take its choice, so
+                                       // both compute the same bits
     }
   }
   if (capturing && !ran) {  // load the chosen kernel: run it once on scratch operands

@@ -60,7 +60,7 @@ ffi::Error GemmRsCeImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
   Workspace* ws;
   const int64_t block_bytes = m * N * elt;  // one rank's block of the output = one slot
   const int64_t chunk_bytes = mc * N * elt;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (runtime.h)
+  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
   if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
   std::lock_guard<std::mutex> hold(dev->launch_mu);
   if (std::string e = workspace(site, group, rank, block_bytes, true, &ws); !e.empty())
