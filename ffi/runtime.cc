@@ -54,6 +54,7 @@ const char* what_name(int what) {
     case kWaitReduced: return "the local sum of the peers' chunk";
     case kWaitAccReady: return "the peer to seed its accumulator with its own block";
     case kWaitCeBlock: return "the peer's block (pushed by its copy engine)";
+    case kWaitTile: return "the peer's partial of a tile of this rank's block (chunk = tile)";
   }
   return "a flag";
 }

@@ -3,7 +3,7 @@
 # GPU tests, the op benchmarks and the CPU test suite, and prints the summary table LAST.
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
-#                      [--layer] [--stress] [--gemm-probe]
+#                      [--layer] [--stress] [--gemm-probe] [--tile-probe]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
@@ -11,6 +11,9 @@
 # --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked).
 # --gemm-probe: also tools/probes/gemm_search_probe.py (one GPU: the fused schedule's GEMM work
 # against XLA's GEMM, cuBLASLt's first choice vs the best of its candidates).
+# --tile-probe: also build/probes/tile_rs_probe (one GPU; built on the CPU machine by
+# tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's two
+# ranks on one GPU against an f32 reference, and its GEMM time against cuBLASLt's.
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
@@ -30,7 +33,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-530}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
-BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0
+BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -41,7 +44,8 @@ for a in "$@"; do
     --layer) LAYER=1 ;;
     --stress) STRESS=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
-    -h | --help) sed -n 2,18p "$0"; exit 0 ;;
+    --tile-probe) TILE_PROBE=1 ;;
+    -h | --help) sed -n 2,21p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -79,7 +83,7 @@ step() {
   # pytest's last line ("3 passed, 1 skipped in 9.1s"), a benchmark's headline, a check's
   # verdict; else the log's last line
   local detail
-  detail=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)|^geomean|^TMA with|^FAIL|check: OK' \
+  detail=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)|^geomean|^TMA with|^FAIL|check: OK|^TILE' \
     "$log" | tail -n 1)
   [[ -z $detail ]] && detail=$(grep -v '^\s*$' "$log" | tail -n 1)
   SUMMARY+=("$(printf '%-12s %-16s %4ss  %.110s' "$status" "$name" $((SECONDS - t0)) "$detail")")
@@ -117,6 +121,14 @@ if ((GEMM_PROBE)); then
   # cuBLASLt's first choice and with the best of its candidates (ffi/gemm.h's search).
   step gemm-probe 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" \
     tools/probes/gemm_search_probe.py --json "$RESULTS/gemm_search_probe.json"
+fi
+if ((TILE_PROBE)); then
+  CUBLAS_LIB=$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null)
+  # Shapes: the benchmark's (benchmarks/_common.py) and per-device shares of real layers.
+  TILE_SHAPES="8192 4096 8192  8192 14336 8192  16384 8192 8192  4096 4096 4096  2048 8192 8192 \
+    8192 2048 4096  8192 7168 4096  8192 8192 16384  16384 3584 4096  4096 8192 14336"
+  step tile-check 60 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe check
+  step tile-time 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe time $TILE_SHAPES
 fi
 if ((NGPU < 2 && (BENCH || STRESS || LAYER))); then
   echo "one GPU: benchmarks, stress and the layer need two GPUs; skipped"

@@ -27,6 +27,7 @@ enum WaitWhat : int32_t {
   kWaitAccReady = 5,   // reduce-push: waited for the owner to seed its accumulator
   kWaitCeBlock = 6,    // a block pushed by a peer's copy engine (x for the all-gather + GEMM)
   kPeerGaveUp = 7,     // no wait: a peer process gave up and marked this call (Flags::poison_from)
+  kWaitTile = 8,       // an own tile waited for a peer's slab of the same tile (tile_rs.cuh)
 };
 
 // Lives in host-mapped pinned memory so the host reads it without synchronising with the GPU.
@@ -46,7 +47,10 @@ struct Flags {
   // (ce.cu, ce_wait_slot_free_kernel); every finish from that call on fills its output with NaN
   // and reports it. Sticky: the group is given up for good by then.
   uint32_t poison_from;
-  uint32_t pad0[29];
+  // The tile-fused GEMM + reduce-scatter (tile_rs.cuh): tiles handed out so far in the call of
+  // each epoch parity (the call of one parity zeroes the other's).
+  uint32_t claim[2];
+  uint32_t pad0[27];
   uint32_t ready[kMaxRanks * kMaxChunks];                  // local GEMM chunk finished
   uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
   uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
@@ -143,9 +147,12 @@ struct WaitSite {
 // operations and return: no __trap, so the CUDA context stays usable and the next call works.
 // Polls with relaxed loads and a short sleep (acquire loads in a tight loop slow the memory
 // traffic of everything else on the GPU), then makes the observation an acquire with a fence.
-__device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target, bool sys,
-                                              uint64_t timeout_ns, ErrorRecord* err,
-                                              const Peers& peers, WaitSite site) {
+// kPrint: also print the timeout (a function call: kernels issuing wgmma use wait_flag_inline,
+// which does not, or ptxas serialises their wgmma; the host reports the record either way).
+template <bool kPrint>
+__device__ __forceinline__ bool wait_flag_impl(const uint32_t* p, uint32_t target, bool sys,
+                                               uint64_t timeout_ns, ErrorRecord* err,
+                                               const Peers& peers, WaitSite site) {
   uint32_t v = ld_relaxed(p, sys);
   if ((int32_t)(v - target) < 0) {
     Flags* local = peers.flags[peers.rank];
@@ -187,10 +194,11 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
           }
           if (abort) *abort = e;
           __threadfence_system();
-          printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d chunk "
-                 "%d (wait kind %d, flag %u, wanted %u); giving up this call\n",
-                 site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk, site.what,
-                 v, target);
+          if (kPrint)
+            printf("jaxoverlap: timeout: op %d rank %d (device %d) waited %.2f s for peer %d "
+                   "chunk %d (wait kind %d, flag %u, wanted %u); giving up this call\n",
+                   site.op, peers.rank, peers.device, dt * 1e-9, site.peer, site.chunk,
+                   site.what, v, target);
           return false;
         }
       }
@@ -209,6 +217,16 @@ __device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target
     }
   }
   return true;
+}
+__device__ __noinline__ inline bool wait_flag(const uint32_t* p, uint32_t target, bool sys,
+                                              uint64_t timeout_ns, ErrorRecord* err,
+                                              const Peers& peers, WaitSite site) {
+  return wait_flag_impl<true>(p, target, sys, timeout_ns, err, peers, site);
+}
+__device__ __forceinline__ bool wait_flag_inline(const uint32_t* p, uint32_t target, bool sys,
+                                                 uint64_t timeout_ns, ErrorRecord* err,
+                                                 const Peers& peers, WaitSite site) {
+  return wait_flag_impl<false>(p, target, sys, timeout_ns, err, peers, site);
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

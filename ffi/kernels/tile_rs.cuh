@@ -1,0 +1,505 @@
+// The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
+// warp-specialised cooperative persistent kernel (TMA mainloop, 128x256x64 tiles, clusters of
+// 2 along M) with two parts of our own plugged into its interfaces:
+//   ClaimScheduler  hands out tiles from a counter in the order the protocol needs (foreign
+//                   blocks first), to whichever cluster asks next; the leader CTA's mainloop
+//                   producer claims and broadcasts the tile to both CTAs' shared-memory rings.
+//                   A CTA that never starts (its SMs busy with other kernels) holds no tile, so
+//                   every own tile's wait is for a foreign tile that a running CTA computes
+//                   without waiting: no deadlock whatever the residency.
+//   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
+//                   (peer memory, coalesced 16-byte stores through shared memory), the slab's
+//                   flag published at the warp's next tile, when the stores are long done; own
+//                   tiles wait for each peer's slab flag, add the slabs in rank order to the f32
+//                   accumulators, round once, store.
+// Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
+// (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/device_kernel.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "kernels/tile_rs.h"
+
+namespace jaxoverlap::tile {
+
+constexpr int kRing = 16;         // claimed tiles in flight per CTA (> mainloop stages)
+constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
+
+// What the scheduler needs to order and hand out tiles.
+struct Geometry {
+  Flags* local;          // this rank's flags: epoch, claim counters
+  int32_t n, rank;
+  int32_t cluster_rows;  // cluster rows (kTileRowAlign rows) per rank block
+  int32_t tiles_n;
+  int32_t swizzle;
+  int32_t total;         // cluster tiles of the whole problem
+  int32_t plain;         // mode 2: natural block order
+};
+
+// One ring per CTA: entry k % kRing holds ((k + 1) << 32) | tile of the CTA's k-th tile.
+__device__ __forceinline__ uint64_t* claim_ring() {
+  __shared__ uint64_t ring[kRing];
+  return ring;
+}
+
+struct ClaimedTiles {};  // the scheduler tag (TileSchedulerSelector below)
+
+class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  struct Arguments : Base::Arguments {
+    Geometry g{};
+  };
+  struct Params : Base::Params {
+    Geometry g{};
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile,
+                                        ClusterShape cluster, cutlass::KernelHardwareInfo const& hw,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        uint32_t subtiles = 1, uint32_t k_align = 1) {
+    Params p;
+    static_cast<Base::Params&>(p) =
+        Base::to_underlying_arguments(problem, tile, cluster, hw, args, workspace, subtiles, k_align);
+    p.g = args.g;
+    return p;
+  }
+  static bool can_implement(Arguments const& args) { return Base::can_implement(args); }
+
+  CUTLASS_DEVICE explicit ClaimScheduler(Params const& p) : Base(p), g_(p.g) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    k_ = 0;
+    return claim(0);
+  }
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(claim(++k_), true); }
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
+    return fetch_next_work(w);
+  }
+
+ private:
+  // The k-th tile of this CTA. The leader CTA's mainloop producer warp (warp 0; it runs ahead of
+  // every other role: the others fetch tile k only after consuming tile k - 1, which that warp
+  // loaded) claims it from the counter and writes it into both CTAs' rings; everyone else waits
+  // for the ring entry. Entry k is overwritten by tile k + kRing only when every reader is past
+  // tile k: the producer is at most one mainloop pipeline (< kRing tiles) ahead of them.
+  CUTLASS_DEVICE WorkTileInfo claim(uint32_t k) {
+    uint64_t* slot = claim_ring() + k % kRing;
+    const int lane = threadIdx.x % 32;
+    int32_t t = 0;
+    if (threadIdx.x / 32 == 0 && cute::block_rank_in_cluster() == 0) {
+      if (lane == 0) {
+        Flags* f = g_.local;
+        if (k == 0) {
+          e_ = *(volatile uint32_t*)&f->epoch + 1u;
+          *(volatile uint32_t*)&f->claim[(e_ + 1u) & 1u] = 0;  // for the next call
+        }
+        t = (int32_t)atomicAdd(&f->claim[e_ & 1u], 1u);
+        const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
+        const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
+        for (uint32_t c = 0; c < (uint32_t)kTileClusterM; ++c) {
+          uint32_t remote;
+          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
+          asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
+                       : "memory");
+        }
+      }
+      t = __shfl_sync(0xffffffffu, t, 0);
+    } else {
+      uint64_t v;
+      do {
+        asm volatile("ld.volatile.shared.b64 %0, [%1];"
+                     : "=l"(v)
+                     : "r"((uint32_t)__cvta_generic_to_shared(slot))
+                     : "memory");
+      } while ((uint32_t)(v >> 32) != k + 1);
+      t = (int32_t)(uint32_t)v;
+    }
+    return decode(t);
+  }
+
+  // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
+  // block, bands of `swizzle` cluster rows, column-major inside a band.
+  CUTLASS_DEVICE WorkTileInfo decode(int32_t t) const {
+    if (t >= g_.total) return WorkTileInfo::invalid_work_tile();
+    const int32_t per_block = g_.cluster_rows * g_.tiles_n;
+    const int32_t vb = t / per_block, i = t - vb * per_block;
+    const int32_t band = i / (g_.swizzle * g_.tiles_n);
+    const int32_t rows = min(g_.swizzle, g_.cluster_rows - band * g_.swizzle);
+    const int32_t ii = i - band * g_.swizzle * g_.tiles_n;
+    const int32_t cm = band * g_.swizzle + ii % rows, cn = ii / rows;
+    const int32_t block = g_.plain ? vb : (vb + g_.rank + 1) % g_.n;
+    const int32_t m_idx =
+        (block * g_.cluster_rows + cm) * kTileClusterM + (int32_t)cute::block_id_in_cluster().x;
+    return {m_idx, cn, 0, true};
+  }
+
+  Geometry g_;
+  uint32_t k_ = 0;
+  uint32_t e_ = 0;  // the claiming thread's epoch target
+};
+
+}  // namespace jaxoverlap::tile
+
+// GemmUniversal<..., ClaimedTiles> runs ClaimScheduler.
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t Stages, class ProblemShapeType>
+struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTiles, arch::Sm90, TileShape, ClusterShape,
+                             Stages, ProblemShapeType> {
+  using Scheduler = jaxoverlap::tile::ClaimScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace jaxoverlap::tile {
+
+// 16-bit float helpers of the epilogue.
+template <class T>
+struct Half2;
+template <>
+struct Half2<cutlass::bfloat16_t> {
+  __device__ static uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static float2 unpack(uint32_t u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+};
+template <>
+struct Half2<cutlass::half_t> {
+  __device__ static uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+};
+
+struct EpilogueArgs {
+  Peers peers;
+  char* out;
+  int64_t m, N, slot_bytes;
+  int32_t tiles_n, tiles_per_block;
+  int32_t mode, stall_rank, op;
+  uint64_t timeout_ns;
+  ErrorRecord* err;
+};
+
+// The epilogue, in the operator() form that CUTLASS's Sm90TmaWarpSpecializedAdapter calls for
+// each tile with the accumulators of the calling thread (one of 256 consumer threads). Thread t
+// holds, for the 64 x 256 accumulator block of warpgroup t / 128 (SM90 64xNx16 f32 layout),
+// value i = v0 + 2 v1 + 4 v2 at row 16 (t / 32) + (t % 32) / 4 + 8 v1 of the tile and column
+// 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
+template <class Element>
+class TileEpilogue {
+ public:
+  using ElementOutput = Element;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementC = Element;
+  using ElementD = Element;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = StrideC;
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {
+    alignas(128) uint16_t slab[kTileSlabs][16 * kSlabStride];
+  };
+  struct Arguments {
+    EpilogueArgs a;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  // CUTLASS's kernel constructs the epilogue once with every thread before it initialises its
+  // pipelines and arrives at the cluster barrier (and once more in the consumer warps only):
+  // the producer threads of that first construction clear the scheduler's ring, fenced before
+  // the arrival, so no peer CTA's claim can be overwritten by the clearing.
+  CUTLASS_HOST_DEVICE explicit TileEpilogue(Params const& p) : p_(&p.a) {
+#if defined(__CUDA_ARCH__)
+    if (threadIdx.x < kRing) {
+      claim_ring()[threadIdx.x] = 0;
+      asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    }
+#endif
+  }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma,
+                                 ResidueMNK, int thread_idx, char* smem) {
+    static_assert(cute::size(FrgLayout{}) == kTileM * kTileN / 256, "unexpected accumulators");
+    auto& acc = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(accumulators);
+    const EpilogueArgs& a = *p_;
+    const int s = thread_idx / 32, lane = thread_idx % 32;
+    Flags* local = a.peers.flags[a.peers.rank];
+    if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
+    flush();
+    const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
+    const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
+    uint16_t* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
+    if (a.mode == 2) {
+      store_slab(acc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
+      return;
+    }
+    const int n = a.peers.n, r = a.peers.rank;
+    const int j = (int)(row / a.m);
+    const int64_t brow = row - j * a.m + 16 * s;  // the slab's first row in its block
+    const int tile = (int)((row - j * a.m) / kTileM) * a.tiles_n + cute::get<1>(blk);
+    const int64_t parity = (e_ & 1u) * (a.slot_bytes / 2);
+    if (j != r) {
+      const int slot = stage_slot(r, j, n);
+      if (a.mode == 0 && !(freed_ & (1u << j))) {
+        // Double-buffered staging: this call writes the parity that call e - 2 used.
+        if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
+          failed_ = true;
+        freed_ |= 1u << j;
+      }
+      char* dst = a.peers.stage[j] + slot * a.slot_bytes + parity + (brow * a.N + col0) * 2;
+      store_slab(acc, dst, sm, lane, col0);
+      if (a.mode == 0 && r != a.stall_rank)
+        pending_ = tile_flags(a.peers.flags[j]) +
+                   ((int64_t)slot * a.tiles_per_block + tile) * kTileSlabs + s;
+      return;
+    }
+    for (int t = 1; t < n; ++t) {  // the peers' slabs, in rank order after ours
+      const int src = (r + t) % n;
+      const int slot = stage_slot(src, r, n);
+      if (a.mode == 0 && !failed_) {
+        const uint32_t* flag =
+            tile_flags(local) + ((int64_t)slot * a.tiles_per_block + tile) * kTileSlabs + s;
+        if (!warp_wait(flag, e_, {a.op, kWaitTile, src, tile}, lane, true)) failed_ = true;
+      }
+      add_slab(acc, a.peers.stage[r] + slot * a.slot_bytes + parity + (brow * a.N + col0) * 2,
+               lane, col0);
+    }
+    store_slab(acc, a.out + (brow * a.N + col0) * 2, sm, lane, col0);
+  }
+
+  // Publishes the flag of the warp's last foreign slab (its stores issued at the previous tile).
+  CUTLASS_DEVICE void flush() {
+    if (!pending_) return;
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) {
+      __threadfence_system();
+      st_release_sys(pending_, e_);
+    }
+    pending_ = nullptr;
+  }
+
+ private:
+  // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
+  // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
+  // would also wait for this warp's stores still in flight. `exact`: a value beyond the target
+  // is not this call's (wait_flag then checks whether the call was given up); else any value
+  // at or beyond it will do (a slot released by a later call than needed).
+  CUTLASS_DEVICE bool warp_wait(const uint32_t* flag, uint32_t target, WaitSite site, int lane,
+                                bool exact) {
+    int ok = 1;
+    if (lane == 0) {
+      const uint32_t v = ld_acquire_sys(flag);
+      if (exact ? v != target : (int32_t)(v - target) < 0)
+        ok = wait_flag_inline(flag, target, true, p_->timeout_ns, p_->err, p_->peers, site) ? 1
+                                                                                             : 0;
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
+  }
+
+  // acc += the 16-bit slab at src (row 0 of the slab, column col0 of the tile; row pitch N).
+  template <class Acc>
+  CUTLASS_DEVICE void add_slab(Acc& acc, const char* src, int lane, int64_t col0) const {
+    const int q = lane / 4, t = lane % 4;
+    CUTLASS_PRAGMA_UNROLL
+    for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+      if (col0 + 8 * v2 >= p_->N) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const uint32_t u = __ldcg(reinterpret_cast<const unsigned int*>(
+            src + ((int64_t)(q + 8 * v1) * p_->N + 8 * v2 + 2 * t) * 2));
+        const float2 f = Half2<Element>::unpack(u);
+        const int i = 4 * v2 + 2 * v1;
+        acc(i) += f.x;
+        acc(i + 1) += f.y;
+      }
+    }
+  }
+
+  // Rounds the slab to 16 bits and stores it at dst (row pitch N), 64 columns at a time through
+  // the warp's shared rows, so that each 8 lanes write 128 contiguous bytes of a row.
+  template <class Acc>
+  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, uint16_t* sm, int lane, int64_t col0) const {
+    const int q = lane / 4, t = lane % 4;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kTileN / 64; ++c) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 8; ++g) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int i = 4 * (8 * c + g) + 2 * v1;
+          *reinterpret_cast<uint32_t*>(sm + (q + 8 * v1) * kSlabStride + 8 * g + 2 * t) =
+              Half2<Element>::pack(acc(i), acc(i + 1));
+        }
+      }
+      __syncwarp();
+      CUTLASS_PRAGMA_UNROLL
+      for (int it = 0; it < 4; ++it) {
+        const int rr = 4 * it + lane / 8, cv = lane % 8;
+        const int64_t col = 64 * c + 8 * cv;
+        const uint4 v = *reinterpret_cast<const uint4*>(sm + rr * kSlabStride + 8 * cv);
+        if (col0 + col < p_->N) *reinterpret_cast<uint4*>(dst + (rr * p_->N + col) * 2) = v;
+      }
+      __syncwarp();
+    }
+  }
+
+  // The kernel's parameters (grid constants, alive for the whole kernel): read in place, not
+  // copied per thread (an array indexed by the peer would go to local memory).
+  const EpilogueArgs* p_;
+  uint32_t e_ = 0;             // this call's epoch target
+  uint32_t* pending_ = nullptr;  // flag of the last foreign slab, published at the next tile
+  uint32_t freed_ = 0;         // peers whose staging slot this warp found released
+  bool failed_ = false;        // a wait of this warp gave up: no more waits this call
+};
+
+// CUTLASS's adapter of operator()-style epilogues, plus the last flag at the end of the loop.
+template <class Op>
+class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op>;
+
+ public:
+  using Base::Base;
+  CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
+                                     typename Base::TensorStorage& s)
+      : Base(p, s) {}
+  CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
+                                 typename Base::StorePipeline, typename Base::StorePipelineState ss) {
+    this->flush();
+    return cute::make_tuple(ls, ss);
+  }
+};
+
+template <class Element, bool kWColMajor>
+struct TileKernel {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<kTileClusterM>, cute::_1, cute::_1>;
+  using Op = TileEpilogue<Element>;
+  using Epilogue = TileCollective<Op>;
+  using LayoutB =
+      std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
+      Element, LayoutB, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                           ClaimedTiles>;
+  static_assert(Mainloop::DispatchPolicy::Stages < kRing, "the claim ring must outlast the pipeline");
+
+  static cudaError_t preload() {
+    cudaFuncAttributes attr;
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>)) return e;
+    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Kernel::SharedStorageSize);
+  }
+
+  static cudaError_t launch(const TileRsArgs& a, cudaStream_t stream) {
+    const int n = a.peers.n;
+    const int64_t rows = n * a.m;
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    typename Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {(int)rows, (int)a.N, (int)a.K, 1};
+    args.mainloop.ptr_A = static_cast<const Element*>(a.x);
+    args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, {(int)rows, (int)a.K, 1});
+    args.mainloop.ptr_B = static_cast<const Element*>(a.w);
+    args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, {(int)a.N, (int)a.K, 1});
+    const int32_t tiles_n = (int32_t)((a.N + kTileN - 1) / kTileN);
+    EpilogueArgs& e = args.epilogue.a;
+    e.peers = a.peers;
+    e.out = static_cast<char*>(a.out);
+    e.m = a.m;
+    e.N = a.N;
+    e.slot_bytes = a.slot_bytes;
+    e.tiles_n = tiles_n;
+    e.tiles_per_block = (int32_t)tile_rs_tiles_per_block(a.m, a.N);
+    e.mode = a.mode;
+    e.stall_rank = a.stall_rank;
+    e.op = a.op;
+    e.timeout_ns = a.timeout_ns;
+    e.err = a.err;
+    args.hw_info.device_id = a.peers.device;
+    args.hw_info.sm_count = a.sm_count;
+    args.scheduler.raster_order =
+        cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
+    Geometry& g = args.scheduler.g;
+    g.local = a.peers.flags[a.peers.rank];
+    g.n = n;
+    g.rank = a.peers.rank;
+    g.cluster_rows = (int32_t)(a.m / kTileRowAlign);
+    g.tiles_n = tiles_n;
+    g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
+    g.total = g.cluster_rows * n * tiles_n;
+    g.plain = a.mode == 2;
+    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kTileClusterM;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = Kernel::get_grid_shape(params);
+    cfg.blockDim = Kernel::get_block_shape();
+    cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
+    cfg.stream = stream;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, cutlass::device_kernel<Kernel>, params);
+  }
+};
+
+}  // namespace jaxoverlap::tile
+

@@ -1,0 +1,64 @@
+// Host-side declarations of the tile-fused GEMM + reduce-scatter (ffi/kernels/tile_rs.cuh): one
+// persistent CUTLASS GEMM whose epilogue does the communication. Plain CUDA runtime types only.
+//
+// Rank r of n computes x[n * m, K] @ w[K, N]; row block j (m rows) of the product belongs to
+// rank j. Tiles are handed out in the order blocks r+1, r+2, ..., r (own block last) from a
+// counter, to whichever CTA asks next. A foreign tile's epilogue stores it (bf16/f16) straight
+// into its owner's staging slot in peer memory and, once the stores are done, publishes one flag
+// per 16-row slab. An own tile's epilogue waits (bounded) for the matching slabs of every peer,
+// adds them to its f32 accumulators in rank order and rounds once. No GEMM split, no
+// communication kernel, no SM partition: the communication is in the epilogue of the tiles
+// every other rank waits for, which come first.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/comm.h"
+
+namespace jaxoverlap {
+
+constexpr int kTileM = 128, kTileN = 256;  // CTA tile (two consumer warpgroups of 64 rows)
+constexpr int kTileClusterM = 2;           // CTAs of a cluster along M (they share w's tile)
+constexpr int kTileSlabs = 8;              // 16-row slabs of a tile: one per consumer warp
+constexpr int64_t kTileRowAlign = kTileM * kTileClusterM;  // a rank's rows: a multiple of this
+
+struct TileRsArgs {
+  Peers peers;
+  const void* x;       // [n * m, K] row-major
+  const void* w;       // [K, N], row-major, or column-major if w_colmajor
+  void* out;           // [m, N] row-major: this rank's block of the sum (mode 2: [n * m, N])
+  int64_t m, N, K;     // m: rows per rank
+  int32_t w_colmajor;
+  DType dtype;
+  int64_t slot_bytes;  // one staging slot: two parities (calls alternate) of an m x N block
+  int32_t sm_count;    // CTAs of the persistent grid
+  int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
+  // 0: the fused op. Tools only: 1 = no waits and no flags (the GEMM and the epilogue's traffic
+  // alone); 2 = a plain GEMM of all n * m rows into out (the kernel's GEMM floor).
+  int32_t mode;
+  int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
+  int32_t op;
+  uint64_t timeout_ns;
+  ErrorRecord* err;
+};
+
+// Tiles of one rank's block, and the flag words each rank holds for its n - 1 sources (after
+// its Flags block: tile_flags()).
+int64_t tile_rs_tiles_per_block(int64_t m, int64_t N);
+inline int64_t tile_rs_flag_words(int n, int64_t m, int64_t N) {
+  return (int64_t)(n - 1) * tile_rs_tiles_per_block(m, N) * kTileSlabs;
+}
+__host__ __device__ inline uint32_t* tile_flags(Flags* f) { return reinterpret_cast<uint32_t*>(f + 1); }
+
+// "" if the kernel runs this problem, else why not.
+std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_t K,
+                                const void* x, const void* w, const void* out);
+// Loads the kernels on the current device and sets their shared-memory limit (once per device,
+// outside any capture).
+cudaError_t preload_tile_kernels();
+cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream);
+
+}  // namespace jaxoverlap
