@@ -39,6 +39,8 @@ constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-colu
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
   Flags* local;          // this rank's flags: epoch, claim counters
+  const char* stage;     // this rank's staging (the peers' partials of its own tiles)
+  int64_t m, N, slot_bytes;
   int32_t n, rank;
   int32_t cluster_rows;  // cluster rows (kTileRowAlign rows) per rank block
   int32_t tiles_n;
@@ -96,21 +98,27 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
  private:
   // The k-th tile of this CTA. The leader CTA's mainloop producer warp (warp 0; it runs ahead of
   // every other role: the others fetch tile k only after consuming tile k - 1, which that warp
-  // loaded) claims it from the counter and writes it into both CTAs' rings; everyone else waits
-  // for the ring entry. Entry k is overwritten by tile k + kRing only when every reader is past
-  // tile k: the producer is at most one mainloop pipeline (< kRing tiles) ahead of them.
+  // loaded) claims tiles from the counter one ahead -- the atomic for tile k + 1 is in flight
+  // while tile k loads -- and writes tile k into both CTAs' rings; everyone else waits for the
+  // ring entry. Entry k is overwritten by tile k + kRing only when every reader is past tile k:
+  // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them. A CTA
+  // holds at most its current tile and the next; the next of a foreign tile may be an own tile,
+  // never the other way round, so no claimed foreign tile waits behind an own tile's wait.
   CUTLASS_DEVICE WorkTileInfo claim(uint32_t k) {
     uint64_t* slot = claim_ring() + k % kRing;
     const int lane = threadIdx.x % 32;
+    const bool producer = threadIdx.x / 32 == 0;
+    if (producer && k == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
     int32_t t = 0;
-    if (threadIdx.x / 32 == 0 && cute::block_rank_in_cluster() == 0) {
+    if (producer && cute::block_rank_in_cluster() == 0) {
       if (lane == 0) {
-        Flags* f = g_.local;
+        uint32_t* counter = &g_.local->claim[e_ & 1u];
         if (k == 0) {
-          e_ = *(volatile uint32_t*)&f->epoch + 1u;
-          *(volatile uint32_t*)&f->claim[(e_ + 1u) & 1u] = 0;  // for the next call
+          *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
+          next_ = (int32_t)atomicAdd(counter, 1u);
         }
-        t = (int32_t)atomicAdd(&f->claim[e_ & 1u], 1u);
+        t = next_;
+        next_ = (int32_t)atomicAdd(counter, 1u);
         const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
         const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
         for (uint32_t c = 0; c < (uint32_t)kTileClusterM; ++c) {
@@ -131,7 +139,29 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       } while ((uint32_t)(v >> 32) != k + 1);
       t = (int32_t)(uint32_t)v;
     }
-    return decode(t);
+    const WorkTileInfo w = decode(t);
+    if (producer && w.is_valid()) prefetch_peer_slabs(w, lane);
+    return w;
+  }
+
+  // An own tile's epilogue reads every peer's partial of it from this rank's staging: pull them
+  // into L2 now, a tile's mainloop before the epilogue needs them (L2 is coherent with the
+  // peers' NVLink writes, so data that lands later still updates the prefetched lines).
+  CUTLASS_DEVICE void prefetch_peer_slabs(WorkTileInfo w, int lane) const {
+    if (g_.plain) return;
+    const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
+    const int32_t j = (int32_t)(row / g_.m);
+    if (j != g_.rank) return;
+    const uint32_t bytes = (uint32_t)(min((int64_t)kTileN, g_.N - col0) * 2);
+    const int64_t parity = (e_ & 1u) * (g_.slot_bytes / 2);
+    for (int t = 1; t < g_.n; ++t) {
+      const char* base = g_.stage + stage_slot((g_.rank + t) % g_.n, g_.rank, g_.n) * g_.slot_bytes +
+                         parity + ((row - j * g_.m) * g_.N + col0) * 2;
+      for (int r = lane; r < kTileM; r += 32)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + r * g_.N * 2),
+                     "r"(bytes)
+                     : "memory");
+    }
   }
 
   // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
@@ -152,7 +182,8 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
   Geometry g_;
   uint32_t k_ = 0;
-  uint32_t e_ = 0;  // the claiming thread's epoch target
+  uint32_t e_ = 0;     // the producer warp's epoch target (read at its first tile)
+  int32_t next_ = 0;   // the claimer's next tile (its atomic may still be in flight)
 };
 
 }  // namespace jaxoverlap::tile
@@ -307,8 +338,9 @@ class TileEpilogue {
             tile_flags(local) + ((int64_t)slot * a.tiles_per_block + tile) * kTileSlabs + s;
         if (!warp_wait(flag, e_, {a.op, kWaitTile, src, tile}, lane, true)) failed_ = true;
       }
-      add_slab(acc, a.peers.stage[r] + slot * a.slot_bytes + parity + (brow * a.N + col0) * 2,
-               lane, col0);
+      if (a.mode != 3)
+        add_slab(acc, a.peers.stage[r] + slot * a.slot_bytes + parity + (brow * a.N + col0) * 2,
+                 lane, col0);
     }
     store_slab(acc, a.out + (brow * a.N + col0) * 2, sm, lane, col0);
   }
@@ -345,21 +377,38 @@ class TileEpilogue {
   }
 
   // acc += the 16-bit slab at src (row 0 of the slab, column col0 of the tile; row pitch N).
+  // Loads are addressed from two row pointers with constant offsets and issued a quarter slab
+  // at a time before their adds: few memory round trips per slab and no spills beside the 128
+  // accumulator registers (ptxas budgets 168 per thread). A tile cut by N (its last columns)
+  // predicates each column group.
   template <class Acc>
   CUTLASS_DEVICE void add_slab(Acc& acc, const char* src, int lane, int64_t col0) const {
     const int q = lane / 4, t = lane % 4;
+    const int64_t N = p_->N;
+    const unsigned int* rows[2] = {
+        reinterpret_cast<const unsigned int*>(src + ((int64_t)q * N + 2 * t) * 2),
+        reinterpret_cast<const unsigned int*>(src + ((int64_t)(q + 8) * N + 2 * t) * 2)};
+    const bool full = col0 + kTileN <= N;
+    constexpr int kGroups = kTileN / 32;  // column groups of 8 per quarter
     CUTLASS_PRAGMA_UNROLL
-    for (int v2 = 0; v2 < kTileN / 8; ++v2) {
-      if (col0 + 8 * v2 >= p_->N) continue;
+    for (int h = 0; h < 4; ++h) {
+      uint32_t u[kGroups][2];
       CUTLASS_PRAGMA_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const uint32_t u = __ldcg(reinterpret_cast<const unsigned int*>(
-            src + ((int64_t)(q + 8 * v1) * p_->N + 8 * v2 + 2 * t) * 2));
-        const float2 f = Half2<Element>::unpack(u);
-        const int i = 4 * v2 + 2 * v1;
-        acc(i) += f.x;
-        acc(i + 1) += f.y;
-      }
+      for (int g = 0; g < kGroups; ++g)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int v2 = h * kGroups + g;  // 8 columns = 4 words
+          u[g][v1] = full || col0 + 8 * v2 < N ? __ldcg(rows[v1] + 4 * v2) : 0u;
+        }
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const float2 f = Half2<Element>::unpack(u[g][v1]);
+          const int i = 4 * (h * kGroups + g) + 2 * v1;
+          acc(i) += f.x;
+          acc(i + 1) += f.y;
+        }
     }
   }
 
@@ -476,6 +525,10 @@ struct TileKernel {
         cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
     Geometry& g = args.scheduler.g;
     g.local = a.peers.flags[a.peers.rank];
+    g.stage = a.peers.stage[a.peers.rank];
+    g.m = a.m;
+    g.N = a.N;
+    g.slot_bytes = a.slot_bytes;
     g.n = n;
     g.rank = a.peers.rank;
     g.cluster_rows = (int32_t)(a.m / kTileRowAlign);

@@ -37,7 +37,8 @@ struct TileRsArgs {
   int32_t sm_count;    // CTAs of the persistent grid
   int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
   // 0: the fused op. Tools only: 1 = no waits and no flags (the GEMM and the epilogue's traffic
-  // alone); 2 = a plain GEMM of all n * m rows into out (the kernel's GEMM floor).
+  // alone); 2 = a plain GEMM of all n * m rows into out (the kernel's GEMM floor); 3 = 1 without
+  // the own tiles' adds.
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
   int32_t op;

@@ -132,6 +132,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls) {
     fill(rk[r].x, M * K, 11 + r);
     fill(rk[r].w, K * N, 23 + r);
   }
+  CK(cudaDeviceSynchronize());  // the fills and clears (legacy stream) before the ranks' streams
   std::vector<float> ref(m * N);
   float* dref;
   CK(cudaMalloc(&dref, m * N * 4));
@@ -233,6 +234,7 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
   fill(rk[0].x, M * K, 5);
   fill(rk[0].w, K * N, 7);
   fill(rk[0].stage, m * N * 2, 9);
+  CK(cudaDeviceSynchronize());
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const TileRsArgs plain = make_args(rk, 0, n, m, N, K, 0, abort, nullptr, sms, 2);
@@ -242,8 +244,22 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
     CK(launch_tile_rs(plain, s));
     finish<<<1, 1, 0, s>>>(rk[0].flags);
   }, s);
-  const float t_solo = time_ms([&] {
-    CK(launch_tile_rs(solo, s));
+  float t_solo = 1e30f, t_sw[4];
+  int best_sw = 0;
+  for (int i = 0; i < 4; ++i) {  // cluster rows per raster band: 1, 2, 4, 8
+    TileRsArgs a = solo;
+    a.swizzle = 1 << i;
+    t_sw[i] = time_ms([&] {
+      CK(launch_tile_rs(a, s));
+      finish<<<1, 1, 0, s>>>(rk[0].flags);
+    }, s);
+    if (t_sw[i] < t_solo) t_solo = t_sw[i], best_sw = a.swizzle;
+  }
+  TileRsArgs noadd = solo;
+  noadd.mode = 3;
+  noadd.swizzle = best_sw;
+  const float t_noadd = time_ms([&] {
+    CK(launch_tile_rs(noadd, s));
     finish<<<1, 1, 0, s>>>(rk[0].flags);
   }, s);
   std::vector<float> cand;
@@ -251,9 +267,10 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
   std::string e = lt->candidates_ms(gs, s, &cand);
   const float lt_first = cand.empty() ? -1 : cand[0];
   const float lt_best = cand.empty() ? -1 : *std::min_element(cand.begin(), cand.end());
-  std::printf("%6lld x %6lld x %6lld | %8.3f %8.3f | %8.3f %8.3f | %6.3f %6.3f %s\n",
-              (long long)M, (long long)K, (long long)N, lt_first, lt_best, t_plain, t_solo,
-              t_plain / lt_best, t_solo / lt_best, e.c_str());
+  std::printf("%6lld x %6lld x %6lld | %7.3f %7.3f | %7.3f %7.3f (sw %d; 1 2 4 8: %.3f %.3f %.3f "
+              "%.3f) no-add %.3f | %6.3f %6.3f %s\n",
+              (long long)M, (long long)K, (long long)N, lt_first, lt_best, t_plain, t_solo, best_sw,
+              t_sw[0], t_sw[1], t_sw[2], t_sw[3], t_noadd, t_plain / lt_best, t_solo / lt_best, e.c_str());
   for (int r = 0; r < n; ++r) cudaFree(rk[r].stage), cudaFree(rk[r].flags);
   cudaFree(rk[0].x), cudaFree(rk[0].w), cudaFree(rk[0].out), cudaFreeHost(abort);
   cudaStreamDestroy(s);
@@ -300,8 +317,8 @@ int main(int argc, char** argv) {
     std::printf("cuBLASLt: %s\n", e.c_str());
     return 1;
   }
-  std::printf("M x K x N (per device; ms)  | cuBLASLt 1st, best of 8 | tile plain, tile solo | "
-              "plain/best solo/best\n");
+  std::printf("M x K x N (per device; ms)  | cuBLASLt 1st, best of 8 | tile plain (sw 4), tile "
+              "solo (best swizzle; each) | plain/best solo/best\n");
   double lp = 0, ls = 0;
   int shapes = 0;
   for (int i = 2; i + 2 < argc; i += 3, ++shapes) {
