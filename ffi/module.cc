@@ -27,6 +27,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsCeV1);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsTileV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1);
 
 namespace nb = nanobind;
@@ -230,6 +231,7 @@ nb::dict registrations() {
   d["jaxoverlap_ag_gemm_k_v1"] = stages(JaxoverlapAgGemmKV1);
   d["jaxoverlap_dgrad_rs_wgrad_v1"] = stages(JaxoverlapDgradRsWgradV1);
   d["jaxoverlap_gemm_rs_ce_v1"] = stages(JaxoverlapGemmRsCeV1);
+  d["jaxoverlap_gemm_rs_tile_v1"] = stages(JaxoverlapGemmRsTileV1);
   d["jaxoverlap_dgrad_rs_wgrad_acc_v1"] = stages(JaxoverlapDgradRsWgradAccV1);
   return d;
 }

@@ -340,6 +340,8 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
   if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
     return cuda_error("cudaStreamCreate", e);
   cudaMemsetAsync(p.flags[i], 0, sizeof(Flags), s);
+  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h).
+  cudaMemsetAsync(p.stage[i], 0, (n - 1) * block_bytes, s);
   e = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
   if (e) return cuda_error("clearing the flags", e);

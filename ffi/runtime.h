@@ -40,6 +40,7 @@ struct DeviceRuntime {
   // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
   bool ce_kernels_loaded = false;
+  bool tile_kernels_loaded = false;  // the tile-fused GEMM + reduce-scatter (gemm_rs_tile_ffi.cc)
   // The copy-engine reduce-scatter's GEMM-chunk-done events, one per (peer block, chunk),
   // created by its handler (gemm_rs_ce_ffi.cc).
   std::vector<cudaEvent_t> chunk_done;

@@ -13,6 +13,8 @@ from typing import Literal
 
 Backend = Literal["auto", "xla", "fused"]
 _BACKENDS = ("auto", "xla", "fused")
+Schedule = Literal["chunked", "tile"]
+_SCHEDULES = (None, "chunked", "tile")
 DEFAULT_TIMEOUT_S = 100.0
 MAX_TIMEOUT_S = 86400.0  # one day; the kernels count nanoseconds in 64 bits
 
@@ -55,6 +57,14 @@ class Config:
       deterministic: add partial sums in a fixed order, so equal inputs give equal bits on every
         run. ``False`` allows arrival-order reductions where a kernel offers them; today's
         kernels always reduce in a fixed order, so it changes nothing yet.
+      schedule: how the fused ``matmul_reduce_scatter`` over rows overlaps its GEMM and its
+        reduce-scatter (the other ops, and the scatter of the last dimension, ignore it).
+        ``"chunked"``: the GEMM in chunks of rows, each pushed to its owner as it is done by a
+        communication partition of ``comm_sms`` SMs (or the copy engine, ``comm_sms=0``).
+        ``"tile"``: one persistent GEMM over the whole GPU whose epilogue stores each tile
+        straight into its owner's memory, the tiles other ranks wait for first; no split GEMM
+        and no communication SMs (bfloat16, rows per rank a multiple of 256). ``None``: what
+        the tuner measured best for the shape, else ``"chunked"``.
     """
 
     backend: Backend = "auto"
@@ -62,6 +72,7 @@ class Config:
     chunks: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     deterministic: bool = True
+    schedule: Schedule | None = None
 
     def __post_init__(self):
         if self.backend not in _BACKENDS:
@@ -81,6 +92,10 @@ class Config:
         if not isinstance(self.deterministic, bool):
             raise ValueError(
                 f"jaxoverlap.Config: deterministic={self.deterministic!r} must be a bool."
+            )
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(
+                f"jaxoverlap.Config: schedule={self.schedule!r} is not one of {_SCHEDULES}."
             )
 
 

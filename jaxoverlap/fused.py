@@ -60,6 +60,7 @@ GEMM_AR_TARGET = "jaxoverlap_gemm_ar_v1"  # the same schedule, the reduced rows 
 AG_GEMM_TARGET = "jaxoverlap_ag_gemm_v1"
 AG_GEMM_KEEP_TARGET = "jaxoverlap_ag_gemm_keep_v1"  # also returns the gathered x
 GEMM_RS_CE_TARGET = "jaxoverlap_gemm_rs_ce_v1"  # comm_sms=0: copy-engine pushes, no partition
+GEMM_RS_TILE_TARGET = "jaxoverlap_gemm_rs_tile_v1"  # schedule="tile" (jaxoverlap/fused_tile.py)
 MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
 _SUPPORTED = (jnp.bfloat16, jnp.float16)
 
@@ -100,10 +101,20 @@ def tuned(op, m_total, k, n_cols, dtype, n):
     return entry
 
 
-def tuned_setting(op, m_total, k, n_cols, dtype, n):
+def tuned_setting(op, m_total, k, n_cols, dtype, n, entry=None):
     """(chunks, comm_sms) the tuner measured best for this op and shape, else the default."""
-    entry = tuned(op, m_total, k, n_cols, dtype, n)
+    entry = entry or tuned(op, m_total, k, n_cols, dtype, n)
     return (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
+
+
+def schedule_of(config, entry):
+    """The reduce-scatter's schedule: the config's, else the tuner's (the tile schedule only
+    where auto may take kernels not yet measured on two GPUs), else "chunked"."""
+    if config.schedule:
+        return config.schedule
+    if entry and entry.get("schedule") == "tile" and not new_kernels_reason():
+        return "tile"
+    return "chunked"
 
 
 def auto_predicts_win(m_total, k, n_cols, n):
@@ -245,6 +256,14 @@ def unsupported_reason(op, x, w, params, axis_size):
         return f"dimension {dim} ({x.shape[dim]}) is not divisible by the group size {n}"
     m = m_total if gather else m_total // n  # rows of one rank's block
     config = params["config"]
+    if op == "matmul_reduce_scatter" and config.schedule == "tile":
+        from jaxoverlap import fused_tile
+
+        if why := fused_tile.unsupported_reason(x.dtype, m, k, n_cols, n):
+            return why
+        if config.backend != "auto":
+            return None
+        return new_kernels_reason() or _auto_reason(op, m_total, k, n_cols, x.dtype, n)
     chunks = choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))
     if chunks is None:
         return (
@@ -332,7 +351,13 @@ def _lower_rows(target, op, ctx, x, w, params, table):
     x_aval, w_aval = ctx.avals_in
     config = params["config"]
     m_total, k, n_cols = _rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    setting = tuned_setting(op, m_total, k, n_cols, x_aval.dtype, table.n)
+    entry = tuned(op, m_total, k, n_cols, x_aval.dtype, table.n)
+    if target == GEMM_RS_TARGET and schedule_of(config, entry) == "tile":
+        from jaxoverlap import fused_tile
+
+        swizzle = (entry or {}).get("swizzle") or fused_tile.DEFAULT_SWIZZLE
+        return fused_tile.lower(ctx, x, w, params, table, swizzle)
+    setting = tuned_setting(op, m_total, k, n_cols, x_aval.dtype, table.n, entry)
     chunks = choose_chunks(m_total // table.n, k, n_cols, config.chunks or setting[0])
     if chunks is None:
         chunks = choose_chunks(m_total // table.n, k, n_cols, None)

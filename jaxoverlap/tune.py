@@ -45,6 +45,9 @@ RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
 # comm_sms=0: the copy engine pushes, no SM partition (matmul_reduce_scatter only); one chunk
 # would expose the whole push (the own GEMM needs the peers' partials), so 2 and 4.
 RS_CE_CANDIDATES = ((2, 0), (4, 0))
+# Config(schedule="tile"): one GEMM whose epilogue communicates (jaxoverlap/fused_tile.py); no
+# chunks, no SMs of its own. A candidate is (chunks, comm_sms) or this.
+TILE = "tile"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,21 +150,24 @@ def faster(t, ref) -> bool:
 
 
 def decide(times: dict) -> dict:
-    """From ``{"xla": (median, q1, q3), (chunks, comm_sms): (median, q1, q3), ...}`` (ms) the
-    entry to record."""
+    """From ``{"xla": (median, q1, q3), (chunks, comm_sms): (median, q1, q3), "tile": ...}``
+    (ms) the entry to record."""
     x = times["xla"]
     fused = {c: t for c, t in times.items() if c != "xla"}
     best = min(fused, key=lambda c: fused[c][0]) if fused else None
     win = best is not None and faster(fused[best], x)
     iqr = lambda t: (t[2] - t[1]) / t[0]  # noqa: E731
+    tile = best == TILE
+    name = lambda c: c if c == TILE else f"{c[0]}x{c[1]}"  # noqa: E731
     return dict(
         choice="fused" if win else "xla",
-        chunks=best[0] if best else None,
-        comm_sms=best[1] if best else None,
+        chunks=(1 if tile else best[0]) if best else None,
+        comm_sms=(0 if tile else best[1]) if best else None,
+        schedule=TILE if tile else ("chunked" if best else None),
         ms_xla=x[0],
         ms_fused=fused[best][0] if best else None,
         spread=max([iqr(x)] + ([iqr(fused[best])] if best else [])),
-        candidates={f"{c[0]}x{c[1]}": t[0] for c, t in fused.items()},
+        candidates={name(c): t[0] for c, t in fused.items()},
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 
@@ -203,11 +209,13 @@ OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 
 def candidates(op):
-    """The fused settings tried for ``op``: (chunks, comm_sms); comm_sms None = not used."""
+    """The fused settings tried for ``op``: (chunks, comm_sms) -- comm_sms None = not used --
+    or `TILE`, the tile schedule."""
     if op == "matmul_reduce_scatter":
         from jaxoverlap import fused
 
-        return RS_CANDIDATES + (RS_CE_CANDIDATES if fused.AUTO_NEW_KERNELS else ())
+        new = RS_CE_CANDIDATES + (TILE,) if fused.AUTO_NEW_KERNELS else ()
+        return RS_CANDIDATES + new
     if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's SM schedule
         return RS_CANDIDATES
     return tuple((c, None) for c in (1, 2, 4))
@@ -256,22 +264,26 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
     want = np.asarray(fns["xla"][0](x, w).astype(jnp.float32))
     scale = max(float(np.abs(want).max()), 1e-6)
     block = m // group  # rows of one rank's block (RS: scattered; AG: gathered)
-    for chunks, sms in candidates(op):
-        if fused.choose_chunks(block, k, n, chunks) != chunks:
+    for cand in candidates(op):
+        if cand == TILE:
+            config = jaxoverlap.Config(backend="fused", schedule=TILE)
+        elif fused.choose_chunks(block, k, n, cand[0]) != cand[0]:
             continue  # this split is not aligned for the shape
-        fn = make(jaxoverlap.Config(backend="fused", chunks=chunks, comm_sms=sms))
+        else:
+            config = jaxoverlap.Config(backend="fused", chunks=cand[0], comm_sms=cand[1])
+        fn = make(config)
         try:
             got = np.asarray(fn(x, w).astype(jnp.float32))
         except ValueError as e:  # backend="fused" refused: the reason says why (dtype, ...)
-            log.info("jaxoverlap.tune: %s %dx%dx%d not fusable: %s", op, m, k, n, e)
+            log.info("jaxoverlap.tune: %s %dx%dx%d %s not fusable: %s", op, m, k, n, cand, e)
             continue
         err = float(np.abs(got - want).max()) / scale
         if err > 2e-2:
             raise RuntimeError(
-                f"jaxoverlap.tune: fused {op} {m}x{k}x{n} chunks={chunks} comm_sms={sms} "
-                f"differs from XLA's result (relative error {err:.3g})"
+                f"jaxoverlap.tune: fused {op} {m}x{k}x{n} {cand} differs from XLA's result "
+                f"(relative error {err:.3g})"
             )
-        fns[(chunks, sms)] = (fn, (x, w))
+        fns[cand] = (fn, (x, w))
     entry = decide(_time(fns, samples, target_ms))
     key = Key(op, m, k, n, str(dt), group, devices[0].device_kind)
     if save:
@@ -334,6 +346,8 @@ def tune_function(fn, *args, progress=print, **kwargs) -> dict:
 def describe(key: Key, e: dict) -> str:
     gain = e["ms_xla"] / e["ms_fused"] if e.get("ms_fused") else None
     setting = f"chunks={e['chunks']} comm_sms={e['comm_sms']}" if e["chunks"] else "-"
+    if e.get("schedule") == TILE:
+        setting = "schedule=tile"
     return (
         f"{key.op} {key.m}x{key.k}x{key.n} {key.dtype} tp={key.group}: {e['choice']} "
         f"(xla {e['ms_xla']:.3f} ms, best fused {e['ms_fused'] or float('nan'):.3f} ms "
@@ -359,7 +373,8 @@ def main(argv=None) -> int:
     if a.list:
         print(cache_path())
         for kid, e in sorted(load().items()):
-            print(f"{kid}: {e['choice']} chunks={e['chunks']} comm_sms={e['comm_sms']}")
+            how = "schedule=tile" if e.get("schedule") == TILE else f"chunks={e['chunks']}"
+            print(f"{kid}: {e['choice']} {how} comm_sms={e['comm_sms']}")
         return 0
     if not a.shapes:
         p.error("--shapes is required (or --list)")

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, runtime
+from jaxoverlap import Config, fused, fused_tile, runtime
 
 OP = "matmul_reduce_scatter"
 
@@ -282,3 +282,70 @@ def test_cuda_lowering_fuses_a_middle_dimension_after_size_1_dims(lowering_only)
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert f"@{fused.GEMM_RS_TARGET}" in text and f"@{fused.AG_GEMM_TARGET}" in text
     assert "reduce_scatter" not in text and "all_gather" not in text
+
+
+def test_tile_schedule_reasons(native_ok, monkeypatch):
+    """Config(schedule="tile"): bfloat16, rows per rank a multiple of 256 (a cluster's two
+    128-row tiles); a clear reason otherwise. backend="auto" takes it only once kernels not yet
+    measured on two GPUs are allowed, and then by the usual rule or the tuner."""
+    tile = dict(backend="fused", schedule="tile")
+    assert _reason((1024, 512), (512, 768), **tile) is None
+    assert _reason((4, 256, 512), (512, 1000), **tile) is None  # batch dims, partial N tiles
+    assert "bfloat16 only" in _reason((1024, 512), (512, 768), dtype=jnp.float16, **tile)
+    why = _reason((2 * 384, 512), (512, 768), **tile)  # 384 rows per rank
+    assert "rows per rank (384) must be a multiple of 256" in why and "chunked" in why
+    assert _reason((2 * 384, 512), (512, 768), backend="fused") is None  # chunked runs it
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    why = _reason((8192, 4096), (4096, 8192), backend="auto", schedule="tile")
+    assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    assert _reason((8192, 4096), (4096, 8192), backend="auto", schedule="tile") is None
+    assert "conservative rule" in _reason((1024, 512), (512, 768), backend="auto", schedule="tile")
+
+
+def test_tile_slot_bytes_match_the_handlers():
+    """tile_rs_slot_bytes (ffi/kernels/tile_rs.cu): both parities of the block, one flag word per
+    16-row slab of each 128 x 256 tile, rounded to 256 bytes. A mismatch would leave a workspace
+    that spans processes unfound by its handler."""
+    assert fused_tile.slot_bytes(256, 256) == 2 * 256 * 256 * 2 + 256  # 2 tiles' 64 flag bytes
+    assert fused_tile.slot_bytes(1024, 1000) == 2 * 1024 * 1000 * 2 + (8 * 4) * 8 * 4
+    assert fused_tile.slot_bytes(4096, 4096) % 256 == 0
+
+
+@pytest.mark.parametrize("how", ["config", "tuned", "tuned_not_allowed"])
+def test_tile_schedule_lowering(monkeypatch, lowering_only, how):
+    """Config(schedule="tile"), or a tuner entry that chose it once new kernels are allowed: one
+    GEMM_RS_TILE_TARGET call with the tuner's swizzle (else the default), no chunks, no SMs of
+    its own, and no collective left; the all-reduce keeps its schedule. A tuner entry for it
+    while new kernels are not allowed: the chunked schedule."""
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", how == "tuned")
+    entry = dict(
+        choice="fused", chunks=1, comm_sms=0, schedule="tile", swizzle=2, ms_xla=1.0, ms_fused=0.8
+    )
+    monkeypatch.setattr(fused, "tuned", lambda *a: None if how == "config" else entry)
+    cfg = Config(backend="fused", schedule="tile" if how == "config" else None, timeout_s=9.0)
+    mesh = Mesh(np.array(jax.devices()[:2])[::-1], ("tp",))
+
+    def body(x, w):
+        y = jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+        return y, jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
+
+    specs = (P(None, "tp"), P("tp", None))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P())))
+    x = jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2 * 512, 384), jnp.bfloat16)
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    tile_calls = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TILE_TARGET}" in ln]
+    if how == "tuned_not_allowed":
+        assert not tile_calls
+        assert any(f"@{fused.GEMM_RS_TARGET}(" in ln for ln in text.splitlines())
+        return
+    (call,) = tile_calls
+    assert "(tensor<1024x512xbf16>, tensor<512x384xbf16>) -> tensor<512x384xbf16>" in call, call
+    want = 2 if how == "tuned" else fused_tile.DEFAULT_SWIZZLE
+    assert f"swizzle = {want}" in call and "comm_sms = 0" in call and "chunks = 1" in call
+    assert "timeout_s = 9.0" in call and "ordinals = dense<[1, 0]>" in call
+    assert f"@{fused.GEMM_RS_TARGET}(" not in text and "reduce_scatter" not in text
+    (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]
+    assert f"comm_sms = {fused.DEFAULT_COMM_SMS}" in ar

@@ -111,9 +111,21 @@ def test_copy_engine_candidates_only_once_new_kernels_are_allowed(monkeypatch):
 
     monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
     assert all(sms != 0 for _, sms in tune.candidates("matmul_reduce_scatter"))
+    assert tune.TILE not in tune.candidates("matmul_reduce_scatter")
     monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
     assert (2, 0) in tune.candidates("matmul_reduce_scatter")
+    assert tune.TILE in tune.candidates("matmul_reduce_scatter")
     assert all(sms != 0 for _, sms in tune.candidates("matmul_all_reduce"))  # no CE handler
+    assert tune.TILE not in tune.candidates("matmul_all_reduce")
+
+
+def test_decide_records_the_tile_schedule():
+    xla = (1.0, 0.98, 1.02)
+    e = tune.decide({"xla": xla, (2, 4): (0.9, 0.89, 0.91), "tile": (0.8, 0.79, 0.81)})
+    assert e["choice"] == "fused" and e["schedule"] == "tile"
+    assert e["chunks"] == 1 and e["comm_sms"] == 0 and set(e["candidates"]) == {"2x4", "tile"}
+    e = tune.decide({"xla": xla, (2, 4): (0.8, 0.79, 0.81), "tile": (0.9, 0.89, 0.91)})
+    assert e["schedule"] == "chunked" and (e["chunks"], e["comm_sms"]) == (2, 4)
 
 
 def test_register_targets_shares_gemm_choices_without_deadlock(monkeypatch, tmp_path):

@@ -123,6 +123,7 @@ def test_auto_and_xla_backends_run_on_cpu():
         (dict(chunks=-1), r"chunks=-1 must be a positive int"),
         (dict(timeout_s=0), r"timeout_s=0 must be a finite number of seconds"),
         (dict(deterministic=1), r"deterministic=1 must be a bool"),
+        (dict(schedule="tiles"), r"schedule='tiles' is not one of"),
     ],
 )
 def test_config_validation(kwargs, match):

@@ -14,6 +14,11 @@ int64_t tile_rs_tiles_per_block(int64_t m, int64_t N) {
   return (m / kTileM) * ((N + kTileN - 1) / kTileN);
 }
 
+int64_t tile_rs_slot_bytes(int64_t m, int64_t N) {
+  const int64_t bytes = 2 * m * N * 2 + tile_rs_tiles_per_block(m, N) * kTileSlabs * 4;
+  return (bytes + 255) / 256 * 256;
+}
+
 std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_t K,
                                 const void* x, const void* w, const void* out) {
   if (dtype != DType::kBF16) return "the tile schedule is built for bfloat16 only";

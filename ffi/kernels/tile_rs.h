@@ -33,7 +33,7 @@ struct TileRsArgs {
   int64_t m, N, K;     // m: rows per rank
   int32_t w_colmajor;
   DType dtype;
-  int64_t slot_bytes;  // one staging slot: two parities (calls alternate) of an m x N block
+  int64_t slot_bytes;  // stride of the staging slots (tile_rs_slot_bytes)
   int32_t sm_count;    // CTAs of the persistent grid
   int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
   // 0: the fused op. Tools only: 1 = no waits and no flags (the GEMM and the epilogue's traffic
@@ -46,13 +46,16 @@ struct TileRsArgs {
   ErrorRecord* err;
 };
 
-// Tiles of one rank's block, and the flag words each rank holds for its n - 1 sources (after
-// its Flags block: tile_flags()).
+// Tiles of one rank's block.
 int64_t tile_rs_tiles_per_block(int64_t m, int64_t N);
-inline int64_t tile_rs_flag_words(int n, int64_t m, int64_t N) {
-  return (int64_t)(n - 1) * tile_rs_tiles_per_block(m, N) * kTileSlabs;
+// A staging slot (Peers::stage[j] + slot * slot_bytes holds what source stage_slot^-1 sends to
+// rank j): the m x N block of each epoch parity (consecutive calls alternate, so a source never
+// overwrites data its owner may still read), then the source's flags, one word per 16-row slab
+// of each tile: the epoch of the call whose slab has landed. Zeroed when the workspace is made.
+int64_t tile_rs_slot_bytes(int64_t m, int64_t N);
+__host__ __device__ inline uint32_t* tile_slab_flags(char* slot, int64_t m, int64_t N) {
+  return reinterpret_cast<uint32_t*>(slot + 2 * m * N * 2);
 }
-__host__ __device__ inline uint32_t* tile_flags(Flags* f) { return reinterpret_cast<uint32_t*>(f + 1); }
 
 // "" if the kernel runs this problem, else why not.
 std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_t K,

@@ -243,6 +243,9 @@ _STALL_SCRIPT = textwrap.dedent(
     elif kernel == "gemm_rs_ce":  # Config(comm_sms=0): copy-engine pushes
         cfg = jaxoverlap.Config(backend="fused", timeout_s=timeout, comm_sms=0)
         f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
+    elif kernel == "gemm_rs_tile":  # the tile schedule: the epilogue communicates
+        cfg = jaxoverlap.Config(backend="fused", timeout_s=timeout, schedule="tile")
+        f = lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=cfg)
     elif kernel == "gemm_ar":
         f = lambda x, w: jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
     else:  # the standalone reduce-scatter's schedule (reduce-push at n = 2)
@@ -299,7 +302,7 @@ def _err(line):
     return float(line.split("err=")[1].split()[0])
 
 
-@pytest.mark.parametrize("kernel", ["gemm_rs", "gemm_rs_ce", "rs"])
+@pytest.mark.parametrize("kernel", ["gemm_rs", "gemm_rs_ce", "gemm_rs_tile", "rs"])
 def test_stalled_peer_is_reported_and_the_process_survives(gpus, kernel):
     # Rank 1 never signals (test-only knob, 1 s timeout): rank 0 gives up, its output is NaN,
     # the kernels exit (no trap); check_errors() raises naming the ranks, once; afterwards XLA's
@@ -310,7 +313,7 @@ def test_stalled_peer_is_reported_and_the_process_survives(gpus, kernel):
     assert "RAISED FusedCallError" in check and "timed out" in check, out[-3000:]
     # gemm_rs: only rank 0 waits on the stalled rank 1. Reduce-push: each rank waits on the
     # other, so whichever timed out first is named.
-    one_way = kernel in ("gemm_rs", "gemm_rs_ce")
+    one_way = kernel in ("gemm_rs", "gemm_rs_ce", "gemm_rs_tile")
     named = r"\(rank 0\).*peer rank 1" if one_way else r"\(rank [01]\).*peer rank [01]"
     assert re.search(named, check), out[-3000:]
     assert lines.get("CHECK_AGAIN", "").startswith("CHECK_AGAIN OK"), out[-3000:]
@@ -330,7 +333,7 @@ def test_stalled_peer_is_raised_by_the_next_fused_call(gpus):
     assert _err(lines["FUSED2"]) < 2e-2, out[-3000:]
 
 
-@pytest.mark.parametrize("kernel", ["gemm_rs", "rs"])
+@pytest.mark.parametrize("kernel", ["gemm_rs", "gemm_rs_tile", "rs"])
 def test_host_failure_on_one_rank_gives_the_call_up_everywhere(gpus, kernel):
     # Rank 1's handler fails after counting the call (test-only knob) while rank 0 launches:
     # rank 0's waits give up through the abort word within seconds (the timeout is 60 s), both

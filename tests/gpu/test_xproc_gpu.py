@@ -69,6 +69,8 @@ def _results(out):
         "all_gather_matmul",
         "matmul_all_reduce",
         "matmul_reduce_scatter_ce",
+        "matmul_reduce_scatter_tile",  # Config(schedule="tile"): the epilogue communicates
+        "matmul_reduce_scatter_tile_3d",  # ... over a middle dimension
         "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
         "matmul_reduce_scatter_cols_3d",
         "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
@@ -87,8 +89,9 @@ def xproc_ops():
     return _run("ops")
 
 
-def test_stalled_peer_process(gpus_any):
-    out0, _ = _run("stall", timeout=120)
+@pytest.mark.parametrize("case", ["matmul_reduce_scatter", "matmul_reduce_scatter_tile"])
+def test_stalled_peer_process(gpus_any, case):
+    out0, _ = _run("stall", timeout=120, env={"XPROC_CASE": case})
     r = _results(out0)
     for tag in ("stall", "refused", "xla_after"):
         assert tag in r and " OK" in r[tag], f"{tag}: {r.get(tag)}\n{out0[-3000:]}"

@@ -9,7 +9,8 @@ inputs (the same seed in every process), checking its shard against a float32 Nu
 and that the fused custom call is in the compiled HLO. Prints ``<tag> OK ...`` or
 ``<tag> FAILED ...`` per case. MODE ``ops``: the ops. MODE ``stall``: process 1 compiles but never
 runs the op; process 0 must get NaN and a timeout naming peer rank 1 within the timeout, then a
-refusal of its next fused call, while plain XLA work still runs. MODE ``stall_many``: the same
+refusal of its next fused call, while plain XLA work still runs (XPROC_CASE: which op, by its
+tag; default the reduce-scatter). MODE ``stall_many``: the same
 with 16 fused calls launched ahead: all given up within a few timeouts, not one each. MODE
 ``killed``: as ``stall``, but process 1 kills itself (SIGKILL) after compiling. MODE
 ``train``: the training path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``:
@@ -68,6 +69,10 @@ def main(process, nproc, port, gpu, mode):
             jax.block_until_ready(y)
             jaxoverlap.check_errors()
             idx, got = mine(y)
+            if "tile" in tag:  # bitwise repeatable: sums in rank order, whatever the timing
+                again = np.asarray(jax.block_until_ready(f(*args)).addressable_shards[0].data)
+                first = np.asarray(y.addressable_shards[0].data)
+                assert (again.view(np.uint16) == first.view(np.uint16)).all(), "bits differ"
             want = ref[idx]
             err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
             assert np.isfinite(got).all() and err < 2e-2, f"relative error {err:.2e}"
@@ -107,7 +112,8 @@ def main(process, nproc, port, gpu, mode):
             time.sleep(float(os.environ["JAXOVERLAP_SETUP_TIMEOUT_S"]) + 10)
         return
     if mode in ("stall", "killed"):
-        _, f, *_ = op_cases(mesh, arr, 3.0)[0]
+        which = os.environ.get("XPROC_CASE", "matmul_reduce_scatter")
+        (f,) = [c[1] for c in op_cases(mesh, arr, 3.0) if c[0] == which]
         c = f.lower(*args_rs).compile()
         if process == 1:
             if mode == "killed":  # its buffers are mapped in process 0: a dead exporter
@@ -332,6 +338,7 @@ def op_cases(mesh, arr, timeout_s):
 
     cfg = Config(backend="fused", timeout_s=timeout_s)
     ce = Config(backend="fused", comm_sms=0, timeout_s=timeout_s)
+    tile = Config(backend="fused", schedule="tile", timeout_s=timeout_s)
     M, K, N = 2048, 2048, 1024
     x, w = rand(M, K), rand(K, N)
     ref = x.astype(np.float32) @ w.astype(np.float32)
@@ -372,9 +379,23 @@ def op_cases(mesh, arr, timeout_s):
 
     k_args = (args[0], arr(w, P(None, "tp")))
     k3_args = (cols3_args[0], k_args[1])
+    # The tile schedule over a middle dimension: x [2, M / 2, K] scattered over dimension 1.
+    mid = op(
+        lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", scatter_dimension=1, config=tile),
+        (spec3, P("tp", None)),
+        P(None, "tp"),
+    )
     return [
         ("matmul_reduce_scatter", rs(cfg), args, ref, fused.GEMM_RS_TARGET),
         ("matmul_reduce_scatter_ce", rs(ce), args, ref, fused.GEMM_RS_CE_TARGET),
+        ("matmul_reduce_scatter_tile", rs(tile), args, ref, fused.GEMM_RS_TILE_TARGET),
+        (
+            "matmul_reduce_scatter_tile_3d",
+            mid,
+            cols3_args,
+            ref.reshape(2, M // 2, N),
+            fused.GEMM_RS_TILE_TARGET,
+        ),
         ("all_gather_matmul", ag, ag_args, ref_ag, fused.AG_GEMM_TARGET),
         ("matmul_all_reduce", ar, args, ref, fused.GEMM_AR_TARGET),
         ("matmul_reduce_scatter_cols", cols(row[0]), args, ref, fused.GEMM_RS_TARGET),

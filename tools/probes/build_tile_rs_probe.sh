@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 CUBLAS_ROOT=${CUBLAS_ROOT:-$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'include', 'cublasLt.h'))))")}
-CUTLASS_INC=${CUTLASS_INC:-$("$PY" -c "import cutlass_library, os; d = os.path.join(os.path.dirname(cutlass_library.__file__), 'source'); print(os.path.join(d, 'include') + ' ' + os.path.join(d, 'tools', 'util', 'include'))")}
+CUTLASS_INC=${CUTLASS_INC:-$("$PY" -c "import importlib.util as u, os; d = os.path.join(u.find_spec('cutlass_library').submodule_search_locations[0], 'source'); print(os.path.join(d, 'include') + ' ' + os.path.join(d, 'tools', 'util', 'include'))")}
 OUT=build/probes
 mkdir -p "$OUT/obj"
 F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Iffi

@@ -1,0 +1,62 @@
+"""The tile schedule of the fused `matmul_reduce_scatter` over rows (``Config(schedule="tile")``).
+
+One persistent CUTLASS GEMM over the whole GPU computes ``x @ w`` tile by tile, the tiles of the
+blocks other ranks own first; each tile's epilogue stores it (bf16) straight into its owner's
+staging in peer memory and publishes a flag per 16-row slab; the own block's tiles come last, wait
+(bounded) for the peers' slabs of the same tile, add them to the f32 accumulators in rank order
+and round once. There is no split GEMM, no communication kernel and no SM partition: the chunked
+schedule's two measured costs (splitting the GEMM, the last chunk's push on 4 SMs) are gone by
+construction (ffi/kernels/tile_rs.h has the protocol, ffi/gemm_rs_tile_ffi.cc the call).
+
+Supported: bfloat16, rows per rank a multiple of 256 (two 128-row tiles of a cluster), K and N
+multiples of 8, 2..8 GPUs, w row- or column-major (``ct @ w.T`` in a backward), x in rows (any
+scattered dimension but the last: the custom call's layout makes it major-most, as for the
+chunked schedule). Everything else -- the group table, the workspace key, the failure path, the
+call-order guard, processes -- is the other handlers'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxoverlap import fused
+
+TARGET = fused.GEMM_RS_TILE_TARGET
+ROW_ALIGN = 256  # kTileRowAlign in ffi/kernels/tile_rs.h
+TILE_M, TILE_N, SLABS = 128, 256, 8  # kTileM, kTileN, kTileSlabs
+DEFAULT_SWIZZLE = 4  # cluster rows per raster band: best or within noise of it on 8 of 10 shapes
+
+
+def unsupported_reason(dtype, m, k, n_cols, n):
+    """Why the tile kernel cannot run a reduce-scatter of ``m`` rows per rank, or None."""
+    if np.dtype(dtype) != np.dtype("bfloat16"):
+        dt = np.dtype(dtype)
+        return f"schedule='tile' runs bfloat16 only, not {dt} (schedule='chunked' does)"
+    if m % ROW_ALIGN:
+        return (
+            f"schedule='tile': the rows per rank ({m}) must be a multiple of {ROW_ALIGN} "
+            f"(schedule='chunked' needs only 128-element alignment)"
+        )
+    if k % 8 or n_cols % 8:
+        return f"schedule='tile': K={k} and N={n_cols} must be multiples of 8"
+    if n * m >= 2**31 or n_cols >= 2**31 or k >= 2**31:
+        return "schedule='tile': a dimension exceeds the GEMM's 32-bit problem shape"
+    return None
+
+
+def slot_bytes(m, n_cols):
+    """One staging slot as the handler sizes it (tile_rs_slot_bytes in ffi/kernels/tile_rs.cu):
+    the m x N block of both epoch parities, then the source's slab flags; 256-byte aligned."""
+    tiles = (m // TILE_M) * (-(-n_cols // TILE_N))
+    return -(-(2 * m * n_cols * 2 + tiles * SLABS * 4) // 256) * 256
+
+
+def lower(ctx, x, w, params, table, swizzle):
+    """The tile schedule's custom call (its workspace: one slot per source)."""
+    x_aval, w_aval = ctx.avals_in
+    m = fused._rows(x_aval.shape) // table.n
+    kind = (TARGET, *fused._operands_kind(x_aval, w_aval, params))
+    spec = (slot_bytes(m, w_aval.shape[1]), False, False)  # xproc maps it across processes
+    config = params["config"]
+    attrs = fused._table_attrs(table, 0, 1, config.timeout_s, kind, ctx, spec)
+    return fused._ffi_call(TARGET, ctx, x, w, params, dict(attrs, swizzle=int(swizzle)))
