@@ -47,6 +47,7 @@ struct Geometry {
   int32_t swizzle;
   int32_t total;         // cluster tiles of the whole problem
   int32_t plain;         // mode 2: natural block order
+  int32_t prefetch;      // own tiles' peer partials pulled into L2 ahead (not modes 2, 5)
 };
 
 // One ring per CTA: entry k % kRing holds ((k + 1) << 32) | tile of the CTA's k-th tile.
@@ -150,7 +151,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // updates the lines). Line prefetches, not bulk ones: those queue in the TMA unit ahead of the
   // mainloop's loads (measured: 11-18 % slower GEMMs).
   CUTLASS_DEVICE void prefetch_peer_slabs(WorkTileInfo w, int lane) const {
-    if (g_.plain) return;
+    if (!g_.prefetch) return;
     const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
     const int32_t j = (int32_t)(row / g_.m);
     if (j != g_.rank) return;
@@ -310,7 +311,7 @@ class TileEpilogue {
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     uint16_t* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
-    if (a.mode == 2) {
+    if (a.mode == 2 || a.mode == 5) {
       store_slab(acc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
       return;
     }
@@ -329,7 +330,9 @@ class TileEpilogue {
         freed_ |= 1u << j;
       }
       char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
-      store_slab(acc, dst_slot + parity + (brow * a.N + col0) * 2, sm, lane, col0);
+      char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
+                              : dst_slot + parity + (brow * a.N + col0) * 2;
+      store_slab(acc, dst, sm, lane, col0);
       if (a.mode == 0 && r != a.stall_rank)
         pending_ = tile_slab_flags(dst_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
       return;
@@ -341,7 +344,7 @@ class TileEpilogue {
         const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
         if (!warp_wait(flag, e_, {a.op, kWaitTile, src, tile}, lane, true)) failed_ = true;
       }
-      if (a.mode != 3) add_slab(acc, src_slot + parity + (brow * a.N + col0) * 2, lane, col0);
+      if (a.mode != 3 && a.mode != 4) add_slab(acc, src_slot + parity + (brow * a.N + col0) * 2, lane, col0);
     }
     store_slab(acc, a.out + (brow * a.N + col0) * 2, sm, lane, col0);
   }
@@ -536,6 +539,7 @@ struct TileKernel {
     g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
     g.total = g.cluster_rows * n * tiles_n;
     g.plain = a.mode == 2;
+    g.prefetch = a.mode != 2 && a.mode != 5;
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
     cudaLaunchAttribute cluster;

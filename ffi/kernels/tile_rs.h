@@ -36,9 +36,10 @@ struct TileRsArgs {
   int64_t slot_bytes;  // stride of the staging slots (tile_rs_slot_bytes)
   int32_t sm_count;    // CTAs of the persistent grid
   int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
-  // 0: the fused op. Tools only: 1 = no waits and no flags (the GEMM and the epilogue's traffic
-  // alone); 2 = a plain GEMM of all n * m rows into out (the kernel's GEMM floor); 3 = 1 without
-  // the own tiles' adds.
+  // 0: the fused op. Tools only (tools/probes/tile_rs_probe.cu): 1 = no waits and no flags (the
+  // GEMM and the epilogue's traffic alone); 2 = a plain GEMM of all n * m rows into out (the
+  // kernel's GEMM floor); 3 = 1 without the own tiles' adds; 4 = 3 with the foreign tiles stored
+  // into out ([n * m, N]) too; 5 = 2 in the fused op's block order.
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
   int32_t op;

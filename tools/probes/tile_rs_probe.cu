@@ -255,22 +255,25 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
     }, s);
     if (t_sw[i] < t_solo) t_solo = t_sw[i], best_sw = a.swizzle;
   }
-  TileRsArgs noadd = solo;
-  noadd.mode = 3;
-  noadd.swizzle = best_sw;
-  const float t_noadd = time_ms([&] {
-    CK(launch_tile_rs(noadd, s));
-    finish<<<1, 1, 0, s>>>(rk[0].flags);
-  }, s);
+  auto variant = [&](int mode) {
+    TileRsArgs v = solo;
+    v.mode = mode;
+    v.swizzle = best_sw;
+    return time_ms([&] {
+      CK(launch_tile_rs(v, s));
+      finish<<<1, 1, 0, s>>>(rk[0].flags);
+    }, s);
+  };
+  const float t_noadd = variant(3), t_samebuf = variant(4), t_rot = variant(5);
   std::vector<float> cand;
   const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
   std::string e = lt->candidates_ms(gs, s, &cand);
   const float lt_first = cand.empty() ? -1 : cand[0];
   const float lt_best = cand.empty() ? -1 : *std::min_element(cand.begin(), cand.end());
   std::printf("%6lld x %6lld x %6lld | %7.3f %7.3f | %7.3f %7.3f (sw %d; 1 2 4 8: %.3f %.3f %.3f "
-              "%.3f) no-add %.3f | %6.3f %6.3f %s\n",
+              "%.3f) no-add %.3f one-buffer %.3f plain-rotated %.3f | %6.3f %6.3f %s\n",
               (long long)M, (long long)K, (long long)N, lt_first, lt_best, t_plain, t_solo, best_sw,
-              t_sw[0], t_sw[1], t_sw[2], t_sw[3], t_noadd, t_plain / lt_best, t_solo / lt_best, e.c_str());
+              t_sw[0], t_sw[1], t_sw[2], t_sw[3], t_noadd, t_samebuf, t_rot, t_plain / lt_best, t_solo / lt_best, e.c_str());
   for (int r = 0; r < n; ++r) cudaFree(rk[r].stage), cudaFree(rk[r].flags);
   cudaFree(rk[0].x), cudaFree(rk[0].w), cudaFree(rk[0].out), cudaFreeHost(abort);
   cudaStreamDestroy(s);
