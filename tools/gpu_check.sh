@@ -128,7 +128,12 @@ if ((TILE_PROBE)); then
   TILE_SHAPES="8192 4096 8192  8192 14336 8192  16384 8192 8192  4096 4096 4096  2048 8192 8192 \
     8192 2048 4096  8192 7168 4096  8192 8192 16384  16384 3584 4096  4096 8192 14336"
   step tile-check 60 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe check
+  # SM clock, power and temperature beside the timing (a throttled clock reads as a slow kernel)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 1000 \
+    >"$LOG/tile-time-smi.csv" 2>&1 &
+  SMI=$!
   step tile-time 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe time $TILE_SHAPES
+  kill "$SMI" 2>/dev/null
 fi
 if ((NGPU < 2 && (BENCH || STRESS || LAYER))); then
   echo "one GPU: benchmarks, stress and the layer need two GPUs; skipped"

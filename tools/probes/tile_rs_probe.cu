@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -191,28 +192,39 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls) {
   return ok;
 }
 
-template <class F>
-float time_ms(F&& f, cudaStream_t s) {
+// Median ms per launch of each variant, timed interleaved (BENCHMARKS.md): 7 rounds, each
+// variant 20 launches per round in turn, after 5 warm-up launches of each; spread = (max -
+// min) / median of the 7.
+struct Timed {
+  float ms, spread;
+};
+std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fns, cudaStream_t s) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> ts;
-  for (int rep = 0; rep < 7; ++rep) {
-    CK(cudaEventRecord(a, s));
-    for (int i = 0; i < 20; ++i) f();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms / 20);
+  for (const auto& f : fns)
+    for (int i = 0; i < 5; ++i) f();
+  std::vector<std::vector<float>> ts(fns.size());
+  for (int rep = 0; rep < 7; ++rep)
+    for (size_t v = 0; v < fns.size(); ++v) {
+      CK(cudaEventRecord(a, s));
+      for (int i = 0; i < 20; ++i) fns[v]();
+      CK(cudaEventRecord(b, s));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      ts[v].push_back(ms / 20);
+    }
+  std::vector<Timed> out;
+  for (auto& t : ts) {
+    std::sort(t.begin(), t.end());
+    out.push_back({t[t.size() / 2], (t.back() - t.front()) / t[t.size() / 2]});
   }
-  std::sort(ts.begin(), ts.end());
   cudaEventDestroy(a), cudaEventDestroy(b);
-  return ts[ts.size() / 2];
+  return out;
 }
 
-// Returns {plain / best, solo / best}.
+// Returns {plain / cuBLASLt, solo / cuBLASLt}.
 std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner* lt) {
   const int n = 2;
   const int64_t m = M / n;
@@ -237,47 +249,38 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
   CK(cudaDeviceSynchronize());
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const TileRsArgs plain = make_args(rk, 0, n, m, N, K, 0, abort, nullptr, sms, 2);
-  const TileRsArgs solo = make_args(rk, 0, n, m, N, K, 0, abort, nullptr, sms, 1);
-  // Each call ends with the epoch's advance, as a fused call does (the claim counters alternate).
-  const float t_plain = time_ms([&] {
-    CK(launch_tile_rs(plain, s));
-    finish<<<1, 1, 0, s>>>(rk[0].flags);
-  }, s);
-  float t_solo = 1e30f, t_sw[4];
-  int best_sw = 0;
-  for (int i = 0; i < 4; ++i) {  // cluster rows per raster band: 1, 2, 4, 8
-    TileRsArgs a = solo;
-    a.swizzle = 1 << i;
-    t_sw[i] = time_ms([&] {
+  // cuBLASLt with the runner's search (the best of its top 8 by timing, ffi/gemm.h), as the
+  // chunked schedule's GEMMs run; planned before the timing.
+  const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
+  if (std::string e = lt->run(gs, rk[0].x, rk[0].w, nullptr, rk[0].out, s); !e.empty()) {
+    std::printf("cuBLASLt: %s\n", e.c_str());
+    std::exit(1);
+  }
+  auto tile = [&](int mode, int swizzle) -> std::function<void()> {
+    TileRsArgs a = make_args(rk, 0, n, m, N, K, 0, abort, nullptr, sms, mode);
+    a.swizzle = swizzle;
+    // Each call ends with the epoch's advance, as a fused call does (the claim counters
+    // alternate between calls).
+    return [&, a] {
       CK(launch_tile_rs(a, s));
       finish<<<1, 1, 0, s>>>(rk[0].flags);
-    }, s);
-    if (t_sw[i] < t_solo) t_solo = t_sw[i], best_sw = a.swizzle;
-  }
-  auto variant = [&](int mode) {
-    TileRsArgs v = solo;
-    v.mode = mode;
-    v.swizzle = best_sw;
-    return time_ms([&] {
-      CK(launch_tile_rs(v, s));
-      finish<<<1, 1, 0, s>>>(rk[0].flags);
-    }, s);
+    };
   };
-  const float t_noadd = variant(3), t_samebuf = variant(4), t_rot = variant(5);
-  std::vector<float> cand;
-  const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
-  std::string e = lt->candidates_ms(gs, s, &cand);
-  const float lt_first = cand.empty() ? -1 : cand[0];
-  const float lt_best = cand.empty() ? -1 : *std::min_element(cand.begin(), cand.end());
-  std::printf("%6lld x %6lld x %6lld | %7.3f %7.3f | %7.3f %7.3f (sw %d; 1 2 4 8: %.3f %.3f %.3f "
-              "%.3f) no-add %.3f one-buffer %.3f plain-rotated %.3f | %6.3f %6.3f %s\n",
-              (long long)M, (long long)K, (long long)N, lt_first, lt_best, t_plain, t_solo, best_sw,
-              t_sw[0], t_sw[1], t_sw[2], t_sw[3], t_noadd, t_samebuf, t_rot, t_plain / lt_best, t_solo / lt_best, e.c_str());
+  const char* names[] = {"cublasLt", "plain", "plain-rot", "solo sw1", "solo sw4", "solo sw8",
+                         "no-add", "one-buffer"};
+  std::vector<std::function<void()>> fns = {
+      [&] { lt->run(gs, rk[0].x, rk[0].w, nullptr, rk[0].out, s); },
+      tile(2, 4), tile(5, 4), tile(1, 1), tile(1, 4), tile(1, 8), tile(3, 4), tile(4, 4)};
+  const std::vector<Timed> t = time_interleaved(fns, s);
+  std::printf("%6lld x %6lld x %6lld |", (long long)M, (long long)K, (long long)N);
+  for (size_t v = 0; v < t.size(); ++v)
+    std::printf(" %s %.3f (%.0f%%)", names[v], t[v].ms, 100 * t[v].spread);
+  const float solo = std::min({t[3].ms, t[4].ms, t[5].ms});
+  std::printf(" | plain/lt %.3f solo/lt %.3f\n", t[1].ms / t[0].ms, solo / t[0].ms);
   for (int r = 0; r < n; ++r) cudaFree(rk[r].stage), cudaFree(rk[r].flags);
   cudaFree(rk[0].x), cudaFree(rk[0].w), cudaFree(rk[0].out), cudaFreeHost(abort);
   cudaStreamDestroy(s);
-  return {t_plain / lt_best, t_solo / lt_best};
+  return {t[1].ms / t[0].ms, solo / t[0].ms};
 }
 
 }  // namespace
@@ -326,8 +329,8 @@ int main(int argc, char** argv) {
     std::printf("cuBLASLt: %s\n", e.c_str());
     return 1;
   }
-  std::printf("M x K x N (per device; ms)  | cuBLASLt 1st, best of 8 | tile plain (sw 4), tile "
-              "solo (best swizzle; each) | plain/best solo/best\n");
+  std::printf("M x K x N (per device): ms (spread) of each variant, interleaved; solo = the "
+              "best of its swizzles\n");
   double lp = 0, ls = 0;
   int shapes = 0;
   for (int i = 2; i + 2 < argc; i += 3, ++shapes) {
@@ -335,7 +338,7 @@ int main(int argc, char** argv) {
     lp += std::log(p), ls += std::log(q);
   }
   if (shapes)
-    std::printf("TILE geomean over %d shapes: plain / cuBLASLt best %.3f, solo / cuBLASLt best %.3f\n",
+    std::printf("TILE geomean over %d shapes: plain / cuBLASLt %.3f, solo / cuBLASLt %.3f\n",
                 shapes, std::exp(lp / shapes), std::exp(ls / shapes));
   return 0;
 }
