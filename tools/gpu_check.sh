@@ -15,6 +15,7 @@
 # tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's two
 # ranks on one GPU against an f32 reference, and its GEMM time against cuBLASLt's.
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
+# GPU_CHECK_TESTS_K: the one-GPU tests' -k expression (default "not bitwise").
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
 # machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
@@ -113,7 +114,7 @@ if ((TESTS)); then
     echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
     step gpu-tests-one-gpu 300 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
       "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py -q \
-      -p no:cacheprovider -rA -k "not bitwise"
+      -p no:cacheprovider -rA -k "${GPU_CHECK_TESTS_K:-not bitwise}"
   fi
 fi
 if ((GEMM_PROBE)); then
@@ -133,6 +134,10 @@ if ((TILE_PROBE)); then
     >"$LOG/tile-time-smi.csv" 2>&1 &
   SMI=$!
   step tile-time 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe time $TILE_SHAPES
+  for variant in build/probes/tile_rs_probe_*; do  # kernel variants, if built (NAME=...)
+    [[ -x $variant ]] && step "$(basename "$variant")" 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" \
+      "$variant" time $TILE_SHAPES
+  done
   kill "$SMI" 2>/dev/null
 fi
 if ((NGPU < 2 && (BENCH || STRESS || LAYER))); then

@@ -35,6 +35,15 @@ namespace jaxoverlap::tile {
 
 constexpr int kRing = 16;         // claimed tiles in flight per CTA (> mainloop stages)
 constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
+constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
+constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
+#ifndef JAXOVERLAP_TILE_SUM_LOOKAHEAD
+#define JAXOVERLAP_TILE_SUM_LOOKAHEAD 1
+#endif
+// The own tiles' sum loads the next 32 columns' first source while summing these (tools can
+// build without it: tools/probes/build_tile_rs_probe.sh).
+constexpr bool kSumLookahead = JAXOVERLAP_TILE_SUM_LOOKAHEAD;
+static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -257,7 +266,7 @@ class TileEpilogue {
   using GmemTiledCopyD = void;
 
   struct SharedStorage {
-    alignas(128) uint16_t slab[kTileSlabs][16 * kSlabStride];
+    alignas(128) float slab[kTileSlabs][kSlabWords];
   };
   struct Arguments {
     EpilogueArgs a;
@@ -310,7 +319,7 @@ class TileEpilogue {
     flush();
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
-    uint16_t* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
+    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
     if (a.mode == 2 || a.mode == 5) {
       store_slab(acc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
       return;
@@ -337,16 +346,20 @@ class TileEpilogue {
         pending_ = tile_slab_flags(dst_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
       return;
     }
-    for (int t = 1; t < n; ++t) {  // the peers' slabs, in rank order after ours
+    // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
+    for (int t = 1; t < n; ++t) {
       const int src = (r + t) % n;
       char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
       if (a.mode == 0 && !failed_) {
-        const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
+        const uint32_t* flag =
+            tile_slab_flags(src_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
         if (!warp_wait(flag, e_, {a.op, kWaitTile, src, tile}, lane, true)) failed_ = true;
       }
-      if (a.mode != 3 && a.mode != 4) add_slab(acc, src_slot + parity + (brow * a.N + col0) * 2, lane, col0);
     }
-    store_slab(acc, a.out + (brow * a.N + col0) * 2, sm, lane, col0);
+    const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
+    const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
+    store_sum_slab(acc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
+                   col0);
   }
 
   // Publishes the flag of the warp's last foreign slab (its stores issued at the previous tile).
@@ -380,47 +393,75 @@ class TileEpilogue {
     return ok != 0;
   }
 
-  // acc += the 16-bit slab at src (row 0 of the slab, column col0 of the tile; row pitch N).
-  // Loads are addressed from two row pointers with constant offsets and issued a quarter slab
-  // at a time before their adds: few memory round trips per slab and no spills beside the 128
-  // accumulator registers (ptxas budgets 168 per thread). A tile cut by N (its last columns)
-  // predicates each column group.
+  // Stores acc + the `count` 16-bit slabs at src + i * stride (added in that order in f32,
+  // rounded once) at dst (row pitch N). 32 columns at a time: the f32 accumulators go through the warp's shared
+  // rows, and each pair of lanes then reads one row's 32 columns -- 16-byte loads of every
+  // source, 64 contiguous bytes per row -- adds and stores them. The first source's loads of
+  // the next chunk are issued before this chunk is summed, so their latency overlaps.
   template <class Acc>
-  CUTLASS_DEVICE void add_slab(Acc& acc, const char* src, int lane, int64_t col0) const {
+  CUTLASS_DEVICE void store_sum_slab(Acc& acc, const char* src0, int64_t stride, int count,
+                                     char* dst, float* sm, int lane, int64_t col0) const {
     const int q = lane / 4, t = lane % 4;
+    const int row = lane / 2, half = lane % 2;  // the coalesced phase: 16 columns per lane
     const int64_t N = p_->N;
-    const unsigned int* rows[2] = {
-        reinterpret_cast<const unsigned int*>(src + ((int64_t)q * N + 2 * t) * 2),
-        reinterpret_cast<const unsigned int*>(src + ((int64_t)(q + 8) * N + 2 * t) * 2)};
-    const bool full = col0 + kTileN <= N;
-    constexpr int kGroups = kTileN / 32;  // column groups of 8 per quarter
+    const int64_t lane_col = 16 * half;  // this lane's first column of each 32
+    const char* in = src0 + (row * N + lane_col) * 2;
+    char* out = dst + (row * N + lane_col) * 2;
+    const int64_t valid = N - col0 - lane_col;  // columns left for this lane from its first
+    auto load = [&](int src, int c, int i) -> uint4 {  // 8 columns of row `row`
+      if (32 * c + 8 * i >= valid) return make_uint4(0, 0, 0, 0);
+      return __ldcg(reinterpret_cast<const uint4*>(in + src * stride + (32 * c + 8 * i) * 2));
+    };
+    uint4 next[2] = {};
+    if (count > 0) next[0] = load(0, 0, 0), next[1] = load(0, 0, 1);
     CUTLASS_PRAGMA_UNROLL
-    for (int h = 0; h < 4; ++h) {
-      uint32_t u[kGroups][2];
+    for (int c = 0; c < kTileN / 32; ++c) {
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < kGroups; ++g)
+      for (int g = 0; g < 4; ++g)
         CUTLASS_PRAGMA_UNROLL
         for (int v1 = 0; v1 < 2; ++v1) {
-          const int v2 = h * kGroups + g;  // 8 columns = 4 words
-          u[g][v1] = full || col0 + 8 * v2 < N ? __ldcg(rows[v1] + 4 * v2) : 0u;
+          const int i = 4 * (4 * c + g) + 2 * v1;
+          *reinterpret_cast<float2*>(sm + (q + 8 * v1) * kSumStride + 8 * g + 2 * t) =
+              make_float2(acc(i), acc(i + 1));
         }
+      __syncwarp();
+      uint4 first[2] = {next[0], next[1]};
+      if (!kSumLookahead && count > 0 && c > 0) first[0] = load(0, c, 0), first[1] = load(0, c, 1);
+      if (kSumLookahead && count > 0 && c + 1 < kTileN / 32)
+        next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < kGroups; ++g)
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const float2 f = Half2<Element>::unpack(u[g][v1]);
-          const int i = 4 * (h * kGroups + g) + 2 * v1;
-          acc(i) += f.x;
-          acc(i + 1) += f.y;
-        }
+      for (int i = 0; i < 2; ++i) {
+        const float* f = sm + row * kSumStride + 16 * half + 8 * i;
+        float v[8];
+        *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(f);
+        *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(f + 4);
+        auto add = [&](uint4 u) {
+          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+          CUTLASS_PRAGMA_UNROLL
+          for (int k = 0; k < 4; ++k) {
+            const float2 p = Half2<Element>::unpack(w[k]);
+            v[2 * k] += p.x;
+            v[2 * k + 1] += p.y;
+          }
+        };
+        if (count > 0) add(first[i]);
+#pragma unroll 1
+        for (int src = 1; src < count; ++src) add(load(src, c, i));  // n > 2
+        if (32 * c + 8 * i < valid)
+          *reinterpret_cast<uint4*>(out + (32 * c + 8 * i) * 2) = make_uint4(
+              Half2<Element>::pack(v[0], v[1]), Half2<Element>::pack(v[2], v[3]),
+              Half2<Element>::pack(v[4], v[5]), Half2<Element>::pack(v[6], v[7]));
+      }
+      __syncwarp();
     }
   }
 
   // Rounds the slab to 16 bits and stores it at dst (row pitch N), 64 columns at a time through
   // the warp's shared rows, so that each 8 lanes write 128 contiguous bytes of a row.
   template <class Acc>
-  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, uint16_t* sm, int lane, int64_t col0) const {
+  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) const {
     const int q = lane / 4, t = lane % 4;
+    uint16_t* sm = reinterpret_cast<uint16_t*>(smf);
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kTileN / 64; ++c) {
       CUTLASS_PRAGMA_UNROLL

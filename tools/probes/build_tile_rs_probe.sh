@@ -3,23 +3,27 @@
 # binary travels to the GPU machine, where tools/gpu_check.sh --tile-probe runs it).
 #   CUTLASS_INC: the nvidia-cutlass wheel's include dirs (default: the build's, see CMakeLists)
 #   CUBLAS_ROOT: the nvidia-cublas wheel's cu13 dir (headers + libcublasLt.so.13)
+#   NAME, FLAGS: the binary's name and extra nvcc flags (a variant of the kernel, e.g.
+#   NAME=tile_rs_probe_nolook FLAGS=-DJAXOVERLAP_TILE_SUM_LOOKAHEAD=0)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 CUBLAS_ROOT=${CUBLAS_ROOT:-$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'include', 'cublasLt.h'))))")}
 CUTLASS_INC=${CUTLASS_INC:-$("$PY" -c "import importlib.util as u, os; d = os.path.join(u.find_spec('cutlass_library').submodule_search_locations[0], 'source'); print(os.path.join(d, 'include') + ' ' + os.path.join(d, 'tools', 'util', 'include'))")}
 OUT=build/probes
-mkdir -p "$OUT/obj"
+NAME=${NAME:-tile_rs_probe}
+OBJ=$OUT/obj-$NAME
+mkdir -p "$OBJ"
 F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Iffi
-   "-I$CUBLAS_ROOT/include")
+   "-I$CUBLAS_ROOT/include" ${FLAGS:-})
 for d in $CUTLASS_INC; do F+=("-I$d"); done
 srcs=(ffi/kernels/tile_rs_bf16_wrow.cu ffi/kernels/tile_rs_bf16_wcol.cu ffi/kernels/tile_rs.cu
       ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/gemm.cc ffi/capture.cc tools/probes/tile_rs_probe.cu)
 pids=()
 for s in "${srcs[@]}"; do
-  nvcc "${F[@]}" -x cu -c "$s" -o "$OUT/obj/$(basename "$s").o" & pids+=($!)
+  nvcc "${F[@]}" -x cu -c "$s" -o "$OBJ/$(basename "$s").o" & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
-nvcc -gencode=arch=compute_90a,code=sm_90a "$OUT"/obj/*.o -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
-  -o "$OUT/tile_rs_probe"
-echo "built $OUT/tile_rs_probe"
+nvcc -gencode=arch=compute_90a,code=sm_90a "$OBJ"/*.o -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
+  -o "$OUT/$NAME"
+echo "built $OUT/$NAME"

@@ -108,13 +108,15 @@ TileRsArgs make_args(Rank* rk, int r, int n, int64_t m, int64_t N, int64_t K, in
   return a;
 }
 
-// Two ranks on one GPU, `calls` calls; returns false on a mismatch.
-bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls) {
-  const int n = 2;
+// n ranks on one GPU (each kernel on 1/n of the SMs), `calls` calls; false on a mismatch.
+bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
   const int64_t m = M / n;
   int total_sms = 0;
   CK(cudaDeviceGetAttribute(&total_sms, cudaDevAttrMultiProcessorCount, 0));
-  Rank rk[2];
+  // Every rank's kernel must be resident at once (no time-slicing within a process): a cluster
+  // of slack for the GPCs' cluster placement beyond two ranks.
+  const int sms = (total_sms / n / kTileClusterM - (n > 2 ? 1 : 0)) * kTileClusterM;
+  Rank rk[kMaxRanks];
   uint32_t* abort;
   CK(cudaHostAlloc(&abort, kAbortSlots * 4, cudaHostAllocMapped));
   for (uint32_t i = 0; i < kAbortSlots; ++i) abort[i] = i ^ 1u;
@@ -142,7 +144,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls) {
   bool ok = true;
   for (int call = 0; call < calls; ++call) {
     for (int r = 0; r < n; ++r) {
-      TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, total_sms / 2, 0);
+      TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, sms, 0);
       CK(launch_tile_rs(a, rk[r].stream));
       CK(launch_release_slots(a.peers, rk[r].stream));
       finish<<<1, 1, 0, rk[r].stream>>>(rk[r].flags);
@@ -299,27 +301,29 @@ int main(int argc, char** argv) {
   if (what == "check") {
     struct Case {
       int64_t M, K, N;
-      int w_col;
+      int w_col, n;
       const char* why;
     } cases[] = {
-        {4096, 4096, 4096, 0, "square, full tiles"},
-        {4096, 4096, 4096, 1, "w column-major"},
-        {2048, 1032, 1000, 0, "K % 64 != 0, N % 256 != 0 (partial tiles)"},
-        {1024, 256, 512, 0, "fewer tiles than CTAs"},
-        {8192, 2048, 4096, 0, "many tiles per CTA"},
+        {4096, 4096, 4096, 0, 2, "square, full tiles"},
+        {4096, 4096, 4096, 1, 2, "w column-major"},
+        {2048, 1032, 1000, 0, 2, "K % 64 != 0, N % 256 != 0 (partial tiles)"},
+        {1024, 256, 512, 0, 2, "fewer tiles than CTAs"},
+        {8192, 2048, 4096, 0, 2, "many tiles per CTA"},
+        {4096, 1024, 1280, 0, 4, "4 ranks: three peers' slabs summed in rank order"},
+        {8192, 512, 768, 1, 8, "8 ranks, w column-major"},
     };
     bool ok = true;
     for (const Case& c : cases) {
-      std::printf("check %lld x %lld x %lld (%s):\n", (long long)c.M, (long long)c.K,
-                  (long long)c.N, c.why);
-      const std::string why = tile_rs_unsupported(DType::kBF16, 2, c.M / 2, c.N, c.K, nullptr,
-                                                  nullptr, nullptr);
+      std::printf("check %lld x %lld x %lld, %d ranks (%s):\n", (long long)c.M, (long long)c.K,
+                  (long long)c.N, c.n, c.why);
+      const std::string why = tile_rs_unsupported(DType::kBF16, c.n, c.M / c.n, c.N, c.K,
+                                                  nullptr, nullptr, nullptr);
       if (!why.empty()) {
         std::printf("  unsupported: %s\n", why.c_str());
         ok = false;
         continue;
       }
-      if (!check(c.M, c.K, c.N, c.w_col, 4)) ok = false;
+      if (!check(c.M, c.K, c.N, c.w_col, 4, c.n)) ok = false;
     }
     std::printf("TILE CHECK: %s\n", ok ? "PASSED" : "FAILED");
     return ok ? 0 : 1;
