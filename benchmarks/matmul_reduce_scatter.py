@@ -8,6 +8,8 @@ Per shape (M x K_local x N, tp ranks, output scattered over M), in one run on fr
   rs_only       lax.psum_scatter alone (NCCL)
   jaxoverlap    matmul_reduce_scatter with backend="fused" (null where the fused path cannot run);
                 what backend="auto" picks is timed and reported beside it.
+  tile          the same with Config(schedule="tile") (jaxoverlap/fused_tile.py: one GEMM whose
+                epilogue communicates), rows scattered only; null where it cannot run.
   gemm_part     (diagnostic) the fused op's GEMM schedule alone on its SM partition, without
                 communication: with gemm_only and rs_only it shows where the fused time goes.
 Every reduce-scatter result is checked against an f32 reference before it is timed.
@@ -224,8 +226,10 @@ def jaxoverlap_fns(jax, mesh, args):
     if not hasattr(jaxoverlap, "matmul_reduce_scatter"):
         return "jaxoverlap.matmul_reduce_scatter does not exist in this checkout"
 
-    def make(backend):
+    def make(backend, schedule=None):
         knobs = {"comm_sms": args.comm_sms, "chunks": args.chunks} if backend == "fused" else {}
+        if schedule:
+            knobs = {"schedule": schedule} if backend == "fused" else {}
         cfg = jaxoverlap.Config(backend=backend, **knobs)
 
         dim, out_spec = _dim(args)
@@ -235,7 +239,10 @@ def jaxoverlap_fns(jax, mesh, args):
 
         return C.shard_map(body, mesh, (P(None, "tp"), P("tp", None)), out_spec)
 
-    fns = {"fused": make("xla" if args.smoke_stand_in else "fused"), "auto": make("auto")}
+    fused_or_stand_in = "xla" if args.smoke_stand_in else "fused"
+    fns = {"fused": make(fused_or_stand_in), "auto": make("auto")}
+    if args.scatter == "rows" and "schedule" in jaxoverlap.Config.__dataclass_fields__:
+        fns["tile"] = make(fused_or_stand_in, schedule="tile")
     # Where the time goes: the fused op's GEMM schedule alone on its partition (no
     # communication, wrong numbers), through the tools-only switch of jaxoverlap.fused.
     try:
@@ -285,8 +292,8 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
     if isinstance(jo, str):
         row["notes"].append(jo)
     else:
-        for backend in ("fused", "auto"):
-            f, key = jo[backend], "jaxoverlap" if backend == "fused" else "auto"
+        for backend in [b for b in ("fused", "auto", "tile") if b in jo]:
+            f, key = jo[backend], {"fused": "jaxoverlap"}.get(backend, backend)
             try:
                 targets = C.custom_call_targets(f.lower(x, w).compile().as_text())
                 ours = [t for t in targets if t.startswith("jaxoverlap")]
@@ -297,11 +304,11 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
             if backend == "auto":
                 row["auto_picks"] = "fused" if ours else "xla"
             else:
-                row["fused_custom_calls"] = ours
+                row[f"{key}_custom_calls"] = ours
                 if not ours and not args.smoke_stand_in:
                     row["notes"].append(
-                        "backend='fused' compiled without a jaxoverlap custom call (the "
-                        "reference ran): not timed as jaxoverlap"
+                        f"backend='fused' ({key}) compiled without a jaxoverlap custom call (the "
+                        "reference ran): not timed"
                     )
                     continue
             if row["check"][key]["ok"]:
@@ -313,6 +320,7 @@ def measure_shape(jax, mesh, tp, shape, args, seed, jo):
     res = C.bench(fns, samples=args.samples, target_ms=args.target_ms)
     row["ms"] = {m: res[m]["ms"] if m in res else None for m in METHODS}
     row["auto_ms"] = res["auto"]["ms"] if "auto" in res else None
+    row["tile_ms"] = res["tile"]["ms"] if "tile" in res else None
     row["gemm_partition_ms"] = res["gemm_partition"]["ms"] if "gemm_partition" in res else None
     for name, r in res.items():
         row["iters"][name], row["samples_ms"][name] = r["iters"], r["samples_ms"]
@@ -359,7 +367,7 @@ def report(rows, tp, stand_in):
     """The stdout table and the geometric means (also returned for the JSON)."""
     jo = "jaxoverlap" + ("[stand-in]" if stand_in else "")
     headers = f"MxK_lxN gemm_only xla xla_win rs_only {jo} gemm_part auto auto= xla/jo win/jo "
-    headers = (headers + "jo/gemm xla/auto").split()
+    headers = (headers + "jo/gemm xla/auto tile tile/gemm xla/tile").split()
     lines = []
     for r in rows:
         ms = r["ms"]
@@ -374,6 +382,9 @@ def report(rows, tp, stand_in):
                 C.fmt(C.ratio(ms["xla_windowed"], ms["jaxoverlap"]), ".2f"),
                 C.fmt(C.ratio(ms["jaxoverlap"], ms["gemm_only"]), ".2f"),
                 C.fmt(C.ratio(ms["xla"], r["auto_ms"]), ".2f"),
+                C.fmt(r.get("tile_ms")),
+                C.fmt(C.ratio(r.get("tile_ms"), ms["gemm_only"]), ".2f"),
+                C.fmt(C.ratio(ms["xla"], r.get("tile_ms")), ".2f"),
             ]
         )
     g = {
@@ -387,6 +398,10 @@ def report(rows, tp, stand_in):
             C.ratio(r["ms"]["jaxoverlap"], r["ms"]["gemm_only"]) for r in rows
         ),
         "auto_over_xla": C.geomean(C.ratio(r["ms"]["xla"], r["auto_ms"]) for r in rows),
+        "tile_over_xla": C.geomean(C.ratio(r["ms"]["xla"], r.get("tile_ms")) for r in rows),
+        "tile_over_gemm_only": C.geomean(
+            C.ratio(r.get("tile_ms"), r["ms"]["gemm_only"]) for r in rows
+        ),
     }
     n = sum(r["ms"]["jaxoverlap"] is not None for r in rows)
     text = "\n".join(
@@ -398,7 +413,9 @@ def report(rows, tp, stand_in):
             f"geomean speedup of jaxoverlap over xla: {C.fmt(g['jaxoverlap_over_xla'], '.3f')}x, "
             f"over xla_windowed: {C.fmt(g['jaxoverlap_over_xla_windowed'], '.3f')}x, "
             f"jaxoverlap/gemm_only: {C.fmt(g['jaxoverlap_over_gemm_only'], '.3f')} "
-            f"({n}/{len(rows)} shapes fused); auto over xla: {C.fmt(g['auto_over_xla'], '.3f')}x",
+            f"({n}/{len(rows)} shapes fused); auto over xla: {C.fmt(g['auto_over_xla'], '.3f')}x; "
+            f"tile schedule over xla: {C.fmt(g['tile_over_xla'], '.3f')}x, tile/gemm_only: "
+            f"{C.fmt(g['tile_over_gemm_only'], '.3f')}",
         ]
     )
     common = set.intersection(*(set(r["notes"]) for r in rows)) if rows else set()

@@ -1,17 +1,13 @@
 // The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
 // warp-specialised cooperative persistent kernel (TMA mainloop, 128x256x64 tiles, clusters of
 // 2 along M) with two parts of our own plugged into its interfaces:
-//   ClaimScheduler  hands out tiles from a counter in the order the protocol needs (foreign
-//                   blocks first), to whichever cluster asks next; the leader CTA's mainloop
-//                   producer claims and broadcasts the tile to both CTAs' shared-memory rings.
-//                   A CTA that never starts (its SMs busy with other kernels) holds no tile, so
-//                   every own tile's wait is for a foreign tile that a running CTA computes
-//                   without waiting: no deadlock whatever the residency.
+//   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
+//                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
 //                   (peer memory, coalesced 16-byte stores through shared memory), the slab's
 //                   flag published at the warp's next tile, when the stores are long done; own
 //                   tiles wait for each peer's slab flag, add the slabs in rank order to the f32
-//                   accumulators, round once, store.
+//                   accumulators (coalesced, through shared memory), round once, store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
@@ -26,192 +22,17 @@
 #include <cutlass/device_kernel.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
 #include "kernels/tile_rs.h"
+#include "kernels/tile_sched.cuh"
 
 namespace jaxoverlap::tile {
 
-constexpr int kRing = 16;         // claimed tiles in flight per CTA (> mainloop stages)
 constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
 constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
 constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
-#ifndef JAXOVERLAP_TILE_SUM_LOOKAHEAD
-#define JAXOVERLAP_TILE_SUM_LOOKAHEAD 1
-#endif
-// The own tiles' sum loads the next 32 columns' first source while summing these (tools can
-// build without it: tools/probes/build_tile_rs_probe.sh).
-constexpr bool kSumLookahead = JAXOVERLAP_TILE_SUM_LOOKAHEAD;
 static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
-
-// What the scheduler needs to order and hand out tiles.
-struct Geometry {
-  Flags* local;          // this rank's flags: epoch, claim counters
-  const char* stage;     // this rank's staging (the peers' partials of its own tiles)
-  int64_t m, N, slot_bytes;
-  int32_t n, rank;
-  int32_t cluster_rows;  // cluster rows (kTileRowAlign rows) per rank block
-  int32_t tiles_n;
-  int32_t swizzle;
-  int32_t total;         // cluster tiles of the whole problem
-  int32_t plain;         // mode 2: natural block order
-  int32_t prefetch;      // own tiles' peer partials pulled into L2 ahead (not modes 2, 5)
-};
-
-// One ring per CTA: entry k % kRing holds ((k + 1) << 32) | tile of the CTA's k-th tile.
-__device__ __forceinline__ uint64_t* claim_ring() {
-  __shared__ uint64_t ring[kRing];
-  return ring;
-}
-
-struct ClaimedTiles {};  // the scheduler tag (TileSchedulerSelector below)
-
-class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
-  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
-
- public:
-  using WorkTileInfo = typename Base::WorkTileInfo;
-  struct Arguments : Base::Arguments {
-    Geometry g{};
-  };
-  struct Params : Base::Params {
-    Geometry g{};
-  };
-
-  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
-  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile,
-                                        ClusterShape cluster, cutlass::KernelHardwareInfo const& hw,
-                                        Arguments const& args, void* workspace = nullptr,
-                                        uint32_t subtiles = 1, uint32_t k_align = 1) {
-    Params p;
-    static_cast<Base::Params&>(p) =
-        Base::to_underlying_arguments(problem, tile, cluster, hw, args, workspace, subtiles, k_align);
-    p.g = args.g;
-    return p;
-  }
-  static bool can_implement(Arguments const& args) { return Base::can_implement(args); }
-
-  CUTLASS_DEVICE explicit ClaimScheduler(Params const& p) : Base(p), g_(p.g) {}
-
-  template <class ClusterShape>
-  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    k_ = 0;
-    return claim(0);
-  }
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(claim(++k_), true); }
-  template <class Pipeline, class PipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
-    return fetch_next_work(w);
-  }
-
- private:
-  // The k-th tile of this CTA. The leader CTA's mainloop producer warp (warp 0; it runs ahead of
-  // every other role: the others fetch tile k only after consuming tile k - 1, which that warp
-  // loaded) claims tiles from the counter one ahead -- the atomic for tile k + 1 is in flight
-  // while tile k loads -- and writes tile k into both CTAs' rings; everyone else waits for the
-  // ring entry. Entry k is overwritten by tile k + kRing only when every reader is past tile k:
-  // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them. A CTA
-  // holds at most its current tile and the next; the next of a foreign tile may be an own tile,
-  // never the other way round, so no claimed foreign tile waits behind an own tile's wait.
-  CUTLASS_DEVICE WorkTileInfo claim(uint32_t k) {
-    uint64_t* slot = claim_ring() + k % kRing;
-    const int lane = threadIdx.x % 32;
-    const bool producer = threadIdx.x / 32 == 0;
-    if (k == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
-    int32_t t = 0;
-    if (producer && cute::block_rank_in_cluster() == 0) {
-      if (lane == 0) {
-        uint32_t* counter = &g_.local->claim[e_ & 1u];
-        if (k == 0) {
-          *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
-          next_ = (int32_t)atomicAdd(counter, 1u);
-        }
-        t = next_;
-        next_ = (int32_t)atomicAdd(counter, 1u);
-        const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
-        const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
-        for (uint32_t c = 0; c < (uint32_t)kTileClusterM; ++c) {
-          uint32_t remote;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
-          asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
-                       : "memory");
-        }
-      }
-      t = __shfl_sync(0xffffffffu, t, 0);
-    } else {
-      uint64_t v;
-      do {
-        asm volatile("ld.volatile.shared.b64 %0, [%1];"
-                     : "=l"(v)
-                     : "r"((uint32_t)__cvta_generic_to_shared(slot))
-                     : "memory");
-      } while ((uint32_t)(v >> 32) != k + 1);
-      t = (int32_t)(uint32_t)v;
-    }
-    const WorkTileInfo w = decode(t);
-    if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
-    return w;
-  }
-
-  // An own tile's epilogue reads every peer's partial of it from this rank's staging. Each
-  // consumer warp pulls its slab's lines into L2 when it learns the tile, a mainloop before its
-  // epilogue needs them (L2 is coherent with the peers' NVLink writes: data that lands later
-  // updates the lines). Line prefetches, not bulk ones: those queue in the TMA unit ahead of the
-  // mainloop's loads (measured: 11-18 % slower GEMMs).
-  CUTLASS_DEVICE void prefetch_peer_slabs(WorkTileInfo w, int lane) const {
-    if (!g_.prefetch) return;
-    const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
-    const int32_t j = (int32_t)(row / g_.m);
-    if (j != g_.rank) return;
-    const int s = (threadIdx.x % 256) / 32;  // the warp's slab (CUTLASS's MMA thread index / 32)
-    const int64_t bytes = min((int64_t)kTileN, g_.N - col0) * 2;
-    const int64_t parity = (e_ & 1u) * g_.m * g_.N * 2;
-    for (int t = 1; t < g_.n; ++t) {
-      const char* base = g_.stage + stage_slot((g_.rank + t) % g_.n, g_.rank, g_.n) * g_.slot_bytes +
-                         parity + ((row - j * g_.m + 16 * s) * g_.N + col0) * 2;
-      for (int line = lane; line < 16 * 4; line += 32) {  // 16 rows x 4 lines of 128 bytes
-        const int64_t off = (int64_t)(line % 4) * 128;
-        if (off < bytes)
-          asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (line / 4) * g_.N * 2 + off));
-      }
-    }
-  }
-
-  // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
-  // block, bands of `swizzle` cluster rows, column-major inside a band.
-  CUTLASS_DEVICE WorkTileInfo decode(int32_t t) const {
-    if (t >= g_.total) return WorkTileInfo::invalid_work_tile();
-    const int32_t per_block = g_.cluster_rows * g_.tiles_n;
-    const int32_t vb = t / per_block, i = t - vb * per_block;
-    const int32_t band = i / (g_.swizzle * g_.tiles_n);
-    const int32_t rows = min(g_.swizzle, g_.cluster_rows - band * g_.swizzle);
-    const int32_t ii = i - band * g_.swizzle * g_.tiles_n;
-    const int32_t cm = band * g_.swizzle + ii % rows, cn = ii / rows;
-    const int32_t block = g_.plain ? vb : (vb + g_.rank + 1) % g_.n;
-    const int32_t m_idx =
-        (block * g_.cluster_rows + cm) * kTileClusterM + (int32_t)cute::block_id_in_cluster().x;
-    return {m_idx, cn, 0, true};
-  }
-
-  Geometry g_;
-  uint32_t k_ = 0;
-  uint32_t e_ = 0;     // this call's epoch target (read at the first tile)
-  int32_t next_ = 0;   // the claimer's next tile (its atomic may still be in flight)
-};
-
-}  // namespace jaxoverlap::tile
-
-// GemmUniversal<..., ClaimedTiles> runs ClaimScheduler.
-namespace cutlass::gemm::kernel::detail {
-template <class TileShape, class ClusterShape, uint32_t Stages, class ProblemShapeType>
-struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTiles, arch::Sm90, TileShape, ClusterShape,
-                             Stages, ProblemShapeType> {
-  using Scheduler = jaxoverlap::tile::ClaimScheduler;
-};
-}  // namespace cutlass::gemm::kernel::detail
-
-namespace jaxoverlap::tile {
 
 // 16-bit float helpers of the epilogue.
 template <class T>
@@ -425,10 +246,8 @@ class TileEpilogue {
               make_float2(acc(i), acc(i + 1));
         }
       __syncwarp();
-      uint4 first[2] = {next[0], next[1]};
-      if (!kSumLookahead && count > 0 && c > 0) first[0] = load(0, c, 0), first[1] = load(0, c, 1);
-      if (kSumLookahead && count > 0 && c + 1 < kTileN / 32)
-        next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
+      const uint4 first[2] = {next[0], next[1]};
+      if (count > 0 && c + 1 < kTileN / 32) next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 2; ++i) {
         const float* f = sm + row * kSumStride + 16 * half + 8 * i;
