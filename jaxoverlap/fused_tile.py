@@ -24,7 +24,10 @@ from jaxoverlap import fused
 TARGET = fused.GEMM_RS_TILE_TARGET
 ROW_ALIGN = 256  # kTileRowAlign in ffi/kernels/tile_rs.h
 TILE_M, TILE_N, SLABS = 128, 256, 8  # kTileM, kTileN, kTileSlabs
-DEFAULT_SWIZZLE = 4  # cluster rows per raster band: best or within noise of it on 8 of 10 shapes
+# Cluster rows (256 rows of x) per raster band: 8 was as fast as or faster than 1, 2 and 4 on
+# each of 10 shapes, timed interleaved on one H200 (docs/measurements.md runs 48-50); up to 6 %
+# faster than 4 on the 16384-wide shapes (more reuse of w's tiles in L2).
+DEFAULT_SWIZZLE = 8
 
 
 def unsupported_reason(dtype, m, k, n_cols, n):
