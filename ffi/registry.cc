@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "kernels/ce.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsV1);

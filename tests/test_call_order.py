@@ -1,4 +1,4 @@
-"""The call-order guard (ffi/call_order.h), checked without GPUs: the header is plain C++, compiled
+"""The call-order guard (ffi/runtime/call_order.h), checked without GPUs: the header is plain C++, compiled
 here into a small driver that replays the calls of one workspace as the ranks' hosts issue them.
 Also the ``call_tag`` attribute the lowering sends (jaxoverlap/fused.py ``_call_tag``).
 

@@ -126,7 +126,7 @@ class FakeKV:
 
 
 def xproc_ipc_bytes():
-    return 192  # kIpcBytes in ffi/runtime.h
+    return 192  # kIpcBytes in ffi/runtime/runtime.h
 
 
 class FakeNative:

@@ -119,7 +119,7 @@ if ((TESTS)); then
 fi
 if ((GEMM_PROBE)); then
   # One GPU suffices: the fused schedule's GEMM work (no communication) against XLA's GEMM, with
-  # cuBLASLt's first choice and with the best of its candidates (ffi/gemm.h's search).
+  # cuBLASLt's first choice and with the best of its candidates (ffi/runtime/gemm.h's search).
   step gemm-probe 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" \
     tools/probes/gemm_search_probe.py --json "$RESULTS/gemm_search_probe.json"
 fi

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "handler_common.h"
+#include "handlers/fused_call.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {

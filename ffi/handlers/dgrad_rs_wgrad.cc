@@ -9,7 +9,7 @@
 //     for its block of P to land; last dx = P[own rows] + the peers' blocks (one f32-sum pass).
 //   copy stream, once P is done: per peer j, wait until j released its slot (previous call),
 //     push P[j's rows] into it and release j's arrival flag (kernels/ce.cu).
-// Cross-GPU ordering is by flags only, as in ag_ffi.cc. `w_colmajor`: w.T[N, K] is stored
+// Cross-GPU ordering is by flags only, as in handlers/ag_gemm.cc. `w_colmajor`: w.T[N, K] is stored
 // column-major (it is the transpose of a row-major w[K, N]; XLA passes w as is).
 // jaxoverlap_dgrad_rs_wgrad_acc_v1 takes a fourth operand e[M, K], added to ct @ w.T before the
 // reduce-scatter (C of the dgrad GEMM, beta = 1): the other matmuls' contributions to dx when one
@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "handler_common.h"
+#include "handlers/fused_call.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {
@@ -120,7 +120,7 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
     auto wgrad_gemm = [&]() { return dev->gemm.run(wgrad, gp, ctp, nullptr, dwp, xla_stream); };
 
     // First call of this workspace on this device: load both GEMMs' kernels (and pick their
-    // plans) and wait for them before anything of this call can spin (as in ag_ffi.cc).
+    // plans) and wait for them before anything of this call can spin (as in handlers/ag_gemm.cc).
     if (warm_up_now(ws, rank)) {
       CK(cudaDeviceSynchronize());
       if (std::string e = dgrad_gemm(); !e.empty()) return internal(kWhat, e);

@@ -14,7 +14,7 @@
 
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 static_assert(XLA_FFI_API_MAJOR == 0 && XLA_FFI_API_MINOR == 4,
@@ -311,7 +311,7 @@ inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRu
 
 // The parameters and arguments of bind_common_attrs' attributes (and the run id) followed by
 // `w_colmajor`, for handlers with variants of different buffer lists that forward to one
-// implementation (ag_ffi.cc, bulk_ffi.cc).
+// implementation (handlers/ag_gemm.cc, handlers/dgrad_rs_wgrad.cc).
 #define JAXOVERLAP_GEMM_ATTR_PARAMS                                                           \
   int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,            \
       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,           \

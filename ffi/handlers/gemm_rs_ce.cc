@@ -1,5 +1,5 @@
 // FFI handler of the fused GEMM + reduce-scatter with copy-engine pushes
-// (jaxoverlap_gemm_rs_ce_v1; Config(comm_sms=0)): the schedule of gemm_rs_ffi.cc without an SM
+// (jaxoverlap_gemm_rs_ce_v1; Config(comm_sms=0)): the schedule of handlers/gemm_rs.cc without an SM
 // partition -- the GEMMs run on XLA's stream over the whole device, and the copy engine
 // (cudaMemcpyAsync on the device's copy stream) moves the partials. For rank r of n:
 //   XLA's stream: the GEMM computes the row blocks of ranks r+1, ..., r-1 chunk by chunk into
@@ -10,14 +10,14 @@
 //   copy stream: first a bounded wait per peer for its slot (released by its previous call),
 //     then per chunk, once its event fired, the push into its owner's slot and the release of
 //     the owner's arrival flag (kernels/ce.cu).
-// Cross-GPU ordering by flags only, as in ag_ffi.cc.
+// Cross-GPU ordering by flags only, as in handlers/ag_gemm.cc.
 #include <string>
 #include <vector>
 
-#include "handler_common.h"
+#include "handlers/fused_call.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "handler_common.h"
+#include "handlers/fused_call.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {

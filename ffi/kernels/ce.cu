@@ -1,6 +1,6 @@
 // Copy-engine protocol kernels: the data moves with the copy engine (cudaMemcpyAsync, no SMs);
 // these one-thread kernels order it across GPUs. Used by the fused all-gather + GEMM
-// (jaxoverlap_ag_gemm_v1) and the dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc), which
+// (jaxoverlap_ag_gemm_v1) and the dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc), which
 // pushes blocks of its dgrad partial the same way and sums what arrives (sum_blocks_kernel), and
 // by the gather half of the fused GEMM + all-reduce (its own flags, Flags::gathered).
 // Protocol, as the all-gather uses it (rank r of n, workspace epoch e = Flags::epoch + 1 of this

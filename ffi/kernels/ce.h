@@ -38,7 +38,7 @@ cudaError_t launch_sum_blocks(void* out, const void* own, const void* blocks, in
                               int64_t stride, int64_t elems, DType dtype, int sms,
                               cudaStream_t stream);
 // out[i] = (bf16 or f16) in[i], i < elems: the single rounding of a sum kept in float32 (the
-// all-gather along K, ag_ffi.cc).
+// all-gather along K, handlers/ag_gemm.cc).
 cudaError_t launch_round_f32(void* out, const float* in, int64_t elems, DType dtype,
                              cudaStream_t stream);
 

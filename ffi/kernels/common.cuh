@@ -16,8 +16,8 @@ enum OpCode : int32_t {
   kOpGemmRs = 1,
   kOpReduceScatter = 2,
   kOpAgGemm = 3,
-  kOpDgradRs = 4,  // the backward's dgrad reduce-scatter beside the wgrad GEMM (bulk_ffi.cc)
-  kOpGemmAr = 5,   // the fused GEMM + all-reduce (gemm_rs_ffi.cc, all-reduce mode)
+  kOpDgradRs = 4,  // the backward's dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc)
+  kOpGemmAr = 5,   // the fused GEMM + all-reduce (handlers/gemm_rs.cc, all-reduce mode)
 };
 enum WaitWhat : int32_t {
   kWaitGemmChunk = 1,  // comm kernel waited for the local GEMM to finish a chunk

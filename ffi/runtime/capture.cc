@@ -6,7 +6,7 @@
 #include <string>
 #include <thread>
 
-#include "capture.h"
+#include "runtime/capture.h"
 
 namespace jaxoverlap {
 

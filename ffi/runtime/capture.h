@@ -22,7 +22,7 @@ namespace jaxoverlap {
 // synchronise or time on this thread under capture, and the one-time set-up a first call needs
 // (device runtime, partitions, workspaces, kernel loading, GEMM planning) runs on a helper
 // thread instead (outside_capture); the GEMM warm-up on the call's own buffers is skipped
-// (handler_common.h: warm_up_now).
+// (handlers/fused_call.h: warm_up_now).
 class CaptureScope {  // for the duration of one handler call on this thread
  public:
   // `what` names the op in diagnostics (a string literal: kept, not copied).

@@ -1,4 +1,4 @@
-#include "gemm.h"
+#include "runtime/gemm.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -15,7 +15,7 @@
 #include <functional>
 #include <mutex>
 
-#include "capture.h"
+#include "runtime/capture.h"
 #include "kernels/fill.h"
 
 namespace jaxoverlap {

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {

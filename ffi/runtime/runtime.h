@@ -17,9 +17,9 @@
 #include <tuple>
 #include <vector>
 
-#include "call_order.h"
-#include "capture.h"
-#include "gemm.h"
+#include "runtime/call_order.h"
+#include "runtime/capture.h"
+#include "runtime/gemm.h"
 #include "kernels/common.cuh"
 
 namespace jaxoverlap {
@@ -40,9 +40,9 @@ struct DeviceRuntime {
   // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
   bool ce_kernels_loaded = false;
-  bool tile_kernels_loaded = false;  // the tile-fused GEMM + reduce-scatter (gemm_rs_tile_ffi.cc)
+  bool tile_kernels_loaded = false;  // the tile-fused GEMM + reduce-scatter (handlers/gemm_rs_tile.cc)
   // The copy-engine reduce-scatter's GEMM-chunk-done events, one per (peer block, chunk),
-  // created by its handler (gemm_rs_ce_ffi.cc).
+  // created by its handler (handlers/gemm_rs_ce.cc).
   std::vector<cudaEvent_t> chunk_done;
   // Held by a handler from setup to its last launch: the fork/join events, the GEMM plans and
   // the workspaces' warm-up state are shared by every call on this device, and XLA runs one
@@ -139,7 +139,7 @@ static_assert(kMaxRanks <= CallOrder::kRanks, "CallOrder tracks fewer ranks than
 // (Workspace::order). Then the call's abort word is already raised -- every rank's waits of it
 // give up, the ranks that launched it fill their outputs with NaN -- and the difference is
 // reported like a timeout (pending_error, the next call of every workspace); the caller must
-// launch nothing for it but close it (handler_common.h: begin_call). The rank that issued its
+// launch nothing for it but close it (handlers/fused_call.h: begin_call). The rank that issued its
 // call first has launched it by then, but that call cannot have finished: it waits for this
 // rank's data of the same number, which is never sent.
 uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bool* misordered);

@@ -11,7 +11,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {

@@ -74,7 +74,7 @@ def test_values(gpus, m, k_local, n, dtype):
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_copy_engine_pushes(gpus, chunks, dtype):
     """Config(comm_sms=0): no SM partition, the copy engine moves the partials (its own handler,
-    ffi/gemm_rs_ce_ffi.cc): values against XLA's, 2-D and 3-D x, 200 calls bitwise equal."""
+    ffi/handlers/gemm_rs_ce.cc): values against XLA's, 2-D and 3-D x, 200 calls bitwise equal."""
     mesh = _mesh(gpus)
     cfg = Config(backend="fused", comm_sms=0, chunks=chunks)
     for m, k_local, n in ((1536, 640, 896), (4096, 4096, 4096)):

@@ -1,6 +1,6 @@
 """A training step's fused calls on 2 GPUs against XLA's: the all-gather variant that returns
 what it gathered, the backward's w.T read in place, and the column-parallel backward that
-reduce-scatters dx beside dW's GEMM (ffi/bulk_ffi.cc)."""
+reduce-scatters dx beside dW's GEMM (ffi/handlers/dgrad_rs_wgrad.cc)."""
 
 from __future__ import annotations
 

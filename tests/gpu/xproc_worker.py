@@ -299,7 +299,7 @@ def run_graphs(mesh, arr, process, dump, executions=5):
 
 
 def report_gemm_search(gpu):
-    """The GEMM plans the fused calls made (ffi/gemm.h): their algorithms chosen by timing on
+    """The GEMM plans the fused calls made (ffi/runtime/gemm.h): their algorithms chosen by timing on
     the partition streams, or adopted from the shared cache; a note is a failed search."""
     from jaxoverlap import runtime
 

@@ -1,4 +1,4 @@
-"""One-GPU probe: what choosing cuBLASLt's algorithm by timing (ffi/gemm.cc) buys the GEMM work
+"""One-GPU probe: what choosing cuBLASLt's algorithm by timing (ffi/runtime/gemm.cc) buys the GEMM work
 of a fused tp = 2 reduce-scatter, against XLA's own (autotuned) GEMM of the whole shape.
 
 For each M x K_local x N: XLA's jnp.dot [M, K] @ [K, N] (median of interleaved samples); the

@@ -7,12 +7,12 @@
 //   time:  per-device M x K x N, one rank alone on all SMs: the kernel as a plain GEMM (mode 2),
 //          the kernel with its communication traffic but no waits (mode 1: foreign tiles stored
 //          to a second buffer, own tiles add it), against cuBLASLt (heuristic's first choice and
-//          the best of its top 8, ffi/gemm.h). What two GPUs add (NVLink, waits) is not here.
+//          the best of its top 8, ffi/runtime/gemm.h). What two GPUs add (NVLink, waits) is not here.
 //
 // Build (tools/gpu_check.sh --tile-probe does this on the GPU machine, from the carried binary):
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -Iffi -I<cutlass>/include -I<cublas>/include tools/probes/tile_rs_probe.cu \
-//     ffi/kernels/tile_rs*.cu ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/gemm.cc ffi/capture.cc \
+//     ffi/kernels/tile_rs*.cu ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/runtime/gemm.cc ffi/runtime/capture.cc \
 //     -L<cublas>/lib -l:libcublasLt.so.13 -o tile_rs_probe
 // Usage: tile_rs_probe check | time M K N [M K N ...]
 #include <cuda_bf16.h>
@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "gemm.h"
+#include "runtime/gemm.h"
 #include "kernels/comm.h"
 #include "kernels/fill.h"
 #include "kernels/tile_rs.h"
@@ -251,7 +251,7 @@ std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner
   CK(cudaDeviceSynchronize());
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  // cuBLASLt with the runner's search (the best of its top 8 by timing, ffi/gemm.h), as the
+  // cuBLASLt with the runner's search (the best of its top 8 by timing, ffi/runtime/gemm.h), as the
   // chunked schedule's GEMMs run; planned before the timing.
   const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
   if (std::string e = lt->run(gs, rk[0].x, rk[0].w, nullptr, rk[0].out, s); !e.empty()) {
