@@ -16,101 +16,72 @@
 // its block into a float32 scratch (C = D, beta = 1; the first, the own block, overwrites it),
 // rounded once into `out` at the end -- as XLA's single GEMM over the gathered x rounds once.
 #include <string>
-#include <vector>
 
 #include "handlers/fused_call.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {
 
 constexpr const char* kWhat = "jaxoverlap.all_gather_matmul (fused)";
 
-ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer* out, ffi::AnyBuffer* gathered, ffi::AnyBuffer* acc,
-                  int64_t site,
-                  ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                  ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
-                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
-                  ffi::RunId run_id, int64_t w_colmajor) {
-  (void)comm_sms;  // the copy engine needs no SMs
-  uint64_t timeout_ns = 0;
-  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
+ffi::Error AgGemm(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer* out,
+                  ffi::AnyBuffer* gathered, ffi::AnyBuffer* acc, int64_t w_colmajor) {
+  FusedCall fc(kWhat, call);  // comm_sms unused: the copy engine needs no SMs
+  if (ffi::Error e = fc.check(); e.failure()) return e;
+  const int64_t n = call.attrs.n, chunks = call.attrs.chunks;
   RowGemm g;
   if (acc) {  // along K: x [M, K / n], w [K, N], out [M, N], acc float32 [M, N]; one chunk
     auto xd = x.dimensions();
     auto wd = w.dimensions();
     if (!to_dtype(x.element_type(), &g.dtype) || w.element_type() != x.element_type() ||
         out->element_type() != x.element_type() || acc->element_type() != ffi::DataType::F32)
-      return invalid(kWhat, "x, w and the result must be bfloat16 or float16, the scratch f32");
+      return fc.invalid("x, w and the result must be bfloat16 or float16, the scratch f32");
     if (xd.size() < 1 || wd.size() != 2 || wd[0] != n * xd.back() || chunks != 1)
-      return invalid(kWhat, "along K: expected x[..., K / n], w[K, N] and one chunk");
+      return fc.invalid("along K: expected x[..., K / n], w[K, N] and one chunk");
     g.K = xd.back();
     g.N = wd[1];
     g.rows = g.m = g.mc = g.K ? (int64_t)x.element_count() / g.K : 0;
     if (g.m < 1 || g.N < 1 || (int64_t)out->element_count() != g.m * g.N ||
         (int64_t)acc->element_count() != g.m * g.N)
-      return invalid(kWhat, "along K: the result and the scratch must be rows x N, not empty");
+      return fc.invalid("along K: the result and the scratch must be rows x N, not empty");
     // Every source's operands as aligned as the own block's (the warm-up plans one source only):
     // the staging slots (rows x K / n each) and w's blocks of K / n rows.
     if ((g.m * g.K) % 128 || (w_colmajor ? g.K : g.K * g.N) % 128)
-      return invalid(kWhat, "along K: rows x K / n and w's block of K / n rows must be "
-                            "multiples of 128 elements");
+      return fc.invalid("along K: rows x K / n and w's block of K / n rows must be multiples of "
+                        "128 elements");
   } else if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/true, &g); !e.empty()) {
-    return invalid(kWhat, e);
+    return fc.invalid(e);
   }
   const DType dtype = g.dtype;
   const int64_t K = g.K, N = g.N, m = g.m, mc = g.mc;  // m: rows per rank
   const int64_t elt = 2;
   if (!acc && (int64_t)out->element_count() != n * m * N)
-    return invalid(kWhat, "result size is not (group size x rows) x N");
-  if (acc && gathered) return invalid(kWhat, "along K there is no gathered-x result");
+    return fc.invalid("result size is not (group size x rows) x N");
+  if (acc && gathered) return fc.invalid("along K there is no gathered-x result");
   if (gathered && (gathered->element_type() != x.element_type() ||
                    (int64_t)gathered->element_count() != n * m * K))
-    return invalid(kWhat, "the gathered-x result is not (group size x rows) x K of x's dtype");
-  int rank = -1;
-  std::vector<int> group;
-  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
-    return invalid(kWhat, e);
-
-  DeviceGuard guard;
-  cudaSetDevice(device);
-  DeviceRuntime* dev;
-  Workspace* ws;
+    return fc.invalid("the gathered-x result is not (group size x rows) x K of x's dtype");
   const int64_t block_bytes = m * K * elt;  // one rank's block of x = one staging slot
   const int64_t chunk_bytes = mc * K * elt;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
-  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
-  std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
-    return internal(kWhat, e);
-  // From here on this call counts on every rank: a failure below gives it up on all of them.
-  uint32_t index = 0;
-  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
   char* gp = gathered ? static_cast<char*>(gathered->untyped_data()) : nullptr;
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype, gp,
                       gathered ? (int64_t)gathered->size_bytes() : 0};
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
-                                output, &index, &given_up);
-      e.failure() || given_up)
-    return e;
-  // The join's view of the streams: GEMMs run on XLA's stream, the pushes on `copy`.
-  Partition streams;
-  streams.gemm = xla_stream;
-  ffi::Error result = [&]() -> ffi::Error {
-    ErrorRecord* err = nullptr;
-    if (ffi::Error e = ce_call_start(kWhat, dev, device, rank, stall_rank, &streams, &err);
-        e.failure())
-      return e;
-    const Peers& peers = ws->peers[rank];
+  return fc.run({block_bytes, false, false, FusedCall::kCopyEngine}, output,
+                [&](FusedCall& c) -> std::string {
+    const int rank = c.rank();
+    DeviceRuntime* dev = c.dev();
+    cudaStream_t xla_stream = c.stream();
+    const uint64_t timeout_ns = c.timeout_ns();
+    ErrorRecord* err = c.err();
+    const Peers& peers = c.ws()->peers[rank];
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();
     char* op = static_cast<char*>(out->untyped_data());
     if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
         GemmRunner::alignment(op) < 2 || (gp && GemmRunner::alignment(gp) < 2))
-      return invalid(kWhat, "an operand is not aligned to its 2-byte element");
+      return "an operand is not aligned to its 2-byte element";
     const GemmShape shape{mc, N, K, dtype, false, /*sm_count=*/0, w_colmajor != 0};  // whole device
     float* ap = acc ? static_cast<float*>(acc->untyped_data()) : nullptr;
     GemmShape k_shape = shape;  // along K: into the f32 sum, B = rows of block `row` of w
@@ -131,33 +102,28 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     // kernel for this shape, and wait for it. Only then may this call's waits be enqueued. The
     // lock held here is this device's only: the peer's handler thread goes on meanwhile.
     bool own_done = false;
-    if (warm_up_now(ws, rank)) {
+    if (c.warm_up_now()) {
       CK(cudaDeviceSynchronize());
       // Also the plan for an A operand in a staging slot (its alignment may differ from x's):
       // garbage into the rows of the peer block that the real GEMM below overwrites (along K:
       // into the sum, before the own block's GEMM overwrites it).
       const int s = (rank + (int)n - 1) % (int)n;
       const char* slot = peers.stage[rank] + stage_slot(s, rank, (int)n) * block_bytes;
-      if (std::string e = gemm(slot, s * m); !e.empty()) return internal(kWhat, e);
+      if (std::string e = gemm(slot, s * m); !e.empty()) return e;
       for (int k = 0; k < chunks; ++k)
-        if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
-          return internal(kWhat, e);
+        if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty()) return e;
       CK(cudaStreamSynchronize(xla_stream));
-      ws->warmed[rank] = true;
+      c.warmed();
       own_done = true;
     }
 
     // profile == 1 (tools only): the GEMM schedule alone, no communication -- the foreign rows
     // are computed from whatever the staging slots hold (garbage).
-    const bool communicate = profile != 1;
+    const bool communicate = call.attrs.profile != 1;
     // The copy stream waits for XLA's stream and for the previous call of this workspace; so
     // does XLA's stream (a no-op when that call ran on it). Then, in host order, every push and
     // signal a peer needs from this call is enqueued before any wait of this call.
-    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, &streams, /*gemm=*/false,
-                                    ws->done[rank]);
-        e.failure())
-      return e;
-    CK(wait_done(xla_stream, ws->done[rank]));
+    if (std::string e = c.fork(/*gemm=*/false); !e.empty()) return e;
     for (int t = 1; communicate && t < n; ++t) {
       const int j = (rank + t) % (int)n;
       CK(launch_ce_wait_slot_free(peers, j, kOpAgGemm, timeout_ns, err, dev->copy));
@@ -165,7 +131,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       for (int k = 0; k < chunks; ++k) {
         CK(cudaMemcpyAsync(dst + k * chunk_bytes, xp + k * chunk_bytes, chunk_bytes,
                            cudaMemcpyDefault, dev->copy));
-        CK(launch_ce_signal_arrival(peers, j, k, (int)stall_rank, dev->copy));
+        CK(launch_ce_signal_arrival(peers, j, k, (int)call.attrs.stall_rank, dev->copy));
       }
     }
     // The gathered x: the own block, then each peer block as it lands, on the copy stream
@@ -186,8 +152,7 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       CK(cudaEventRecord(dev->comm_done, dev->copy));  // re-recorded by the join
     }
     for (int k = 0; !own_done && k < chunks; ++k)
-      if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty())
-        return internal(kWhat, e);
+      if (std::string e = gemm(xp + k * chunk_bytes, rank * m + k * mc); !e.empty()) return e;
     // Rank s pushes to s + 1 first, so this rank's blocks arrive from r - 1, r - 2, ...
     for (int t = 1; t < n; ++t) {
       const int s = (rank - t + (int)n) % (int)n;
@@ -195,71 +160,45 @@ ffi::Error AgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       for (int k = 0; k < chunks; ++k) {
         if (communicate)
           CK(launch_ce_wait_arrival(peers, s, k, kOpAgGemm, timeout_ns, err, xla_stream));
-        if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty())
-          return internal(kWhat, e);
+        if (std::string e = gemm(slot + k * chunk_bytes, s * m + k * mc); !e.empty()) return e;
       }
     }
     if (ap) CK(launch_round_f32(op, ap, m * N, dtype, xla_stream));
     if (gp) CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
     if (communicate) CK(launch_release_slots(peers, xla_stream));
-    return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
-  }();
-  if (result.failure())
-    return fail_call(kWhat, xla_stream, dev, streams.comm ? &streams : nullptr, ws, rank, index,
-                     output, result);
-  return result;
+    return c.join();
+  });
 }
 
-ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                      JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return AgGemm(xla_stream, device, x, w, &*out, nullptr, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
+ffi::Error AgGemmImpl(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t w_colmajor) {
+  return AgGemm(call, x, w, &*out, nullptr, nullptr, w_colmajor);
 }
 
-ffi::Error AgGemmKImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> acc, JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return AgGemm(xla_stream, device, x, w, &*out, nullptr, &*acc, JAXOVERLAP_GEMM_ATTR_ARGS);
+ffi::Error AgGemmKImpl(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> acc,
+                       int64_t w_colmajor) {
+  return AgGemm(call, x, w, &*out, nullptr, &*acc, w_colmajor);
 }
 
-ffi::Error AgGemmKeepImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                          ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> gathered,
-                          JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return AgGemm(xla_stream, device, x, w, &*out, &*gathered, nullptr, JAXOVERLAP_GEMM_ATTR_ARGS);
+ffi::Error AgGemmKeepImpl(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
+                          int64_t w_colmajor) {
+  return AgGemm(call, x, w, &*out, &*gathered, nullptr, w_colmajor);
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // x [m, ..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // out [n * m, ..., N]
-                                  .Attr<int64_t>("w_colmajor"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // x [m, ..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>()   // out [n * m, ..., N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // gathered x [n * m, ..., K]
-                                  .Attr<int64_t>("w_colmajor"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // x [..., K / n]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>()   // out [..., N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // f32 scratch [rows, N]
-                                  .Attr<int64_t>("w_colmajor"));
+// x [m, ..., K] (along K: [..., K / n]), w [K, N] -> out [n * m, ..., N] (along K: [..., N]),
+// then the variant's second result, and w_colmajor (w stored column-major).
+#define JAXOVERLAP_AG_TARGET(symbol, impl, ...)                       \
+  JAXOVERLAP_FUSED_TARGET(symbol, impl, .Arg<xla::ffi::AnyBuffer>()   \
+                                            .Arg<xla::ffi::AnyBuffer>() \
+                                            .Ret<xla::ffi::AnyBuffer>() __VA_ARGS__ \
+                                            .Attr<int64_t>("w_colmajor"))
+JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl);
+JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
+                     .Ret<xla::ffi::AnyBuffer>());  // gathered x [n * m, ..., K]
+JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
+                     .Ret<xla::ffi::AnyBuffer>());  // f32 scratch [rows, N]

@@ -15,12 +15,10 @@
 // reduce-scatter (C of the dgrad GEMM, beta = 1): the other matmuls' contributions to dx when one
 // gathered x fed several weights (separate Q/K/V), so one reduce-scatter serves them all.
 #include <string>
-#include <vector>
 
 #include "handlers/fused_call.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
-#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {
@@ -28,27 +26,22 @@ namespace {
 constexpr const char* kWhat = "jaxoverlap.all_gather_matmul backward (fused dgrad reduce-scatter)";
 
 // `addend`: null, or e[M, K], added to ct @ w.T.
-ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
-                        ffi::AnyBuffer wt, ffi::AnyBuffer g, const ffi::AnyBuffer* addend,
-                        ffi::AnyBuffer* dx, ffi::AnyBuffer* dw, ffi::AnyBuffer* scratch,
-                        int64_t site, ffi::Span<const int32_t> ordinals,
-                        ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups, int64_t n,
-                        int64_t comm_sms, int64_t chunks, double timeout_s, int64_t stall_rank,
-                        int64_t profile, int64_t call_tag, ffi::RunId run_id,
-                        int64_t w_colmajor) {
-  (void)comm_sms;  // the copy engine needs no SMs
-  (void)chunks;    // one block per peer: neither GEMM is split
-  uint64_t timeout_ns = 0;
-  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
+ffi::Error DgradRsWgrad(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt, ffi::AnyBuffer g,
+                        const ffi::AnyBuffer* addend, ffi::AnyBuffer* dx, ffi::AnyBuffer* dw,
+                        ffi::AnyBuffer* scratch, int64_t w_colmajor) {
+  // comm_sms and chunks unused: the copy engine needs no SMs, and neither GEMM is split.
+  FusedCall fc(kWhat, call);
+  if (ffi::Error e = fc.check(); e.failure()) return e;
+  const int64_t n = call.attrs.n;
   DType dtype;
   const auto t = ct.element_type();
   if (!to_dtype(t, &dtype) || wt.element_type() != t || g.element_type() != t ||
       (addend && addend->element_type() != t) || dx->element_type() != t ||
       dw->element_type() != t || scratch->element_type() != t)
-    return invalid(kWhat, "every operand and result must be bfloat16, or every one float16");
+    return fc.invalid("every operand and result must be bfloat16, or every one float16");
   auto wd = wt.dimensions();
   if (wd.size() != 2 || ct.dimensions().size() < 1 || ct.dimensions().back() != wd[0])
-    return invalid(kWhat, "expected ct[..., N] and w.T[N, K]");
+    return fc.invalid("expected ct[..., N] and w.T[N, K]");
   const int64_t N = wd[0], K = wd[1];
   const int64_t M = N ? (int64_t)ct.element_count() / N : 0;
   const int64_t elt = 2;
@@ -56,45 +49,24 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
       (int64_t)dx->element_count() != M / n * K || (int64_t)dw->element_count() != K * N ||
       (int64_t)scratch->element_count() != M * K ||
       (addend && (int64_t)addend->element_count() != M * K))
-    return invalid(kWhat, "shapes: expected ct[M, N], g[M, K], dx[M / n, K], dW[K, N] and a "
-                          "scratch of M x K elements, with M divisible by the group size");
+    return fc.invalid("shapes: expected ct[M, N], g[M, K], dx[M / n, K], dW[K, N] and a scratch "
+                      "of M x K elements, with M divisible by the group size");
   const int64_t m = M / n;
   const int64_t block_bytes = m * K * elt;
   if (block_bytes % 256)
-    return invalid(kWhat, "rows per rank x K must be a multiple of 128 elements (256-byte "
-                          "alignment of every block)");
-  int rank = -1;
-  std::vector<int> group;
-  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
-    return invalid(kWhat, e);
-
-  DeviceGuard guard;
-  cudaSetDevice(device);
-  DeviceRuntime* dev;
-  Workspace* ws;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
-  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
-  std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, rank, block_bytes, false, &ws); !e.empty())
-    return internal(kWhat, e);
-  // From here on this call counts on every rank: a failure below gives it up on all of them.
-  uint32_t index = 0;
-  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
+    return fc.invalid("rows per rank x K must be a multiple of 128 elements (256-byte alignment "
+                      "of every block)");
   char* dxp = static_cast<char*>(dx->untyped_data());
   const Output output{dxp, (int64_t)dx->size_bytes(), dtype, dw->untyped_data(),
                       (int64_t)dw->size_bytes()};
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
-                                output, &index, &given_up);
-      e.failure() || given_up)
-    return e;
-  Partition streams;  // the join's view: GEMMs on XLA's stream, the pushes on `copy`
-  streams.gemm = xla_stream;
-  ffi::Error result = [&]() -> ffi::Error {
-    ErrorRecord* err = nullptr;
-    if (ffi::Error e = ce_call_start(kWhat, dev, device, rank, stall_rank, &streams, &err);
-        e.failure())
-      return e;
-    const Peers& peers = ws->peers[rank];
+  return fc.run({block_bytes, false, false, FusedCall::kCopyEngine}, output,
+                [&](FusedCall& c) -> std::string {
+    const int rank = c.rank();
+    DeviceRuntime* dev = c.dev();
+    cudaStream_t xla_stream = c.stream();
+    const uint64_t timeout_ns = c.timeout_ns();
+    ErrorRecord* err = c.err();
+    const Peers& peers = c.ws()->peers[rank];
     const char* ctp = static_cast<const char*>(ct.untyped_data());
     const void* wtp = wt.untyped_data();
     const void* gp = g.untyped_data();
@@ -103,38 +75,32 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
     void* dwp = dw->untyped_data();
     for (const void* p : {(const void*)ctp, wtp, gp, (const void*)pp, (const void*)dwp})
       if (GemmRunner::alignment(p) < 2 || (ep && GemmRunner::alignment(ep) < 2))
-        return invalid(kWhat, "an operand is not aligned to its 2-byte element");
+        return "an operand is not aligned to its 2-byte element";
     if (GemmRunner::alignment(dxp) < 16 || GemmRunner::alignment(pp) < 16)
-      return invalid(kWhat, "dx and the scratch must be 16-byte aligned (XLA's buffers are)");
+      return "dx and the scratch must be 16-byte aligned (XLA's buffers are)";
     const GemmShape dgrad{M, K, N, dtype, ep != nullptr, /*sm_count=*/0, w_colmajor != 0};
     GemmShape wgrad{K, N, M, dtype, false, /*sm_count=*/0, /*b_col=*/false};
     wgrad.a_col = true;  // g.T, read in place
     // The dgrad GEMM, then the event the copy stream's pushes wait for.
     auto dgrad_gemm = [&]() -> std::string {
-      if (std::string err = dev->gemm.run(dgrad, ctp, wtp, ep, pp, xla_stream); !err.empty())
-        return err;
-      if (cudaError_t err = cudaEventRecord(dev->gemm_done, xla_stream))
-        return std::string("cudaEventRecord: ") + cudaGetErrorString(err);
+      if (std::string e = dev->gemm.run(dgrad, ctp, wtp, ep, pp, xla_stream); !e.empty()) return e;
+      CK(cudaEventRecord(dev->gemm_done, xla_stream));
       return "";
     };
     auto wgrad_gemm = [&]() { return dev->gemm.run(wgrad, gp, ctp, nullptr, dwp, xla_stream); };
 
     // First call of this workspace on this device: load both GEMMs' kernels (and pick their
     // plans) and wait for them before anything of this call can spin (as in handlers/ag_gemm.cc).
-    if (warm_up_now(ws, rank)) {
+    if (c.warm_up_now()) {
       CK(cudaDeviceSynchronize());
-      if (std::string e = dgrad_gemm(); !e.empty()) return internal(kWhat, e);
-      if (std::string e = wgrad_gemm(); !e.empty()) return internal(kWhat, e);
+      if (std::string e = dgrad_gemm(); !e.empty()) return e;
+      if (std::string e = wgrad_gemm(); !e.empty()) return e;
       CK(cudaStreamSynchronize(xla_stream));
-      ws->warmed[rank] = true;
+      c.warmed();
     }
-    const bool communicate = profile != 1;  // tools only: the GEMMs alone, dx is garbage
-    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, &streams, /*gemm=*/false,
-                                    ws->done[rank]);
-        e.failure())
-      return e;
-    CK(wait_done(xla_stream, ws->done[rank]));
-    if (std::string e = dgrad_gemm(); !e.empty()) return internal(kWhat, e);
+    const bool communicate = call.attrs.profile != 1;  // tools only: the GEMMs alone, dx garbage
+    if (std::string e = c.fork(/*gemm=*/false); !e.empty()) return e;
+    if (std::string e = dgrad_gemm(); !e.empty()) return e;
     CK(cudaStreamWaitEvent(dev->copy, dev->gemm_done));
     // Every slot-free wait first: behind a wgrad GEMM that fills the device, each one-thread
     // kernel of the copy stream may wait for a GEMM block to retire before it runs, so the
@@ -146,66 +112,46 @@ ffi::Error DgradRsWgrad(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer 
       const int j = (rank + s) % (int)n;
       char* dst = peers.stage[j] + stage_slot(rank, j, (int)n) * block_bytes;
       CK(cudaMemcpyAsync(dst, pp + j * block_bytes, block_bytes, cudaMemcpyDefault, dev->copy));
-      CK(launch_ce_signal_arrival(peers, j, 0, (int)stall_rank, dev->copy));
+      CK(launch_ce_signal_arrival(peers, j, 0, (int)call.attrs.stall_rank, dev->copy));
     }
-    if (std::string e = wgrad_gemm(); !e.empty()) return internal(kWhat, e);
+    if (std::string e = wgrad_gemm(); !e.empty()) return e;
     for (int s = 1; communicate && s < n; ++s)
       CK(launch_ce_wait_arrival(peers, (rank - s + (int)n) % (int)n, 0, kOpDgradRs, timeout_ns,
                                 err, xla_stream));
     CK(launch_sum_blocks(dxp, pp + rank * block_bytes, peers.stage[rank], (int)n - 1, m * K,
                          m * K, dtype, dev->total_sms, xla_stream));
     if (communicate) CK(launch_release_slots(peers, xla_stream));
-    return join(kWhat, xla_stream, dev, &streams, /*gemm=*/false, ws, rank, output);
-  }();
-  if (result.failure())
-    return fail_call(kWhat, xla_stream, dev, streams.comm ? &streams : nullptr, ws, rank, index,
-                     output, result);
-  return result;
+    return c.join();
+  });
 }
 
-ffi::Error DgradRsWgradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
-                            ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error DgradRsWgradImpl(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt,
+                            ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> scratch,
-                            JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return DgradRsWgrad(xla_stream, device, ct, wt, g, nullptr, &*dx, &*dw, &*scratch,
-                      JAXOVERLAP_GEMM_ATTR_ARGS);
+                            int64_t w_colmajor) {
+  return DgradRsWgrad(call, ct, wt, g, nullptr, &*dx, &*dw, &*scratch, w_colmajor);
 }
 
-ffi::Error DgradRsWgradAccImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer ct,
-                               ffi::AnyBuffer wt, ffi::AnyBuffer g, ffi::AnyBuffer e,
-                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
-                               ffi::Result<ffi::AnyBuffer> scratch,
-                               JAXOVERLAP_GEMM_ATTR_PARAMS) {
-  return DgradRsWgrad(xla_stream, device, ct, wt, g, &e, &*dx, &*dw, &*scratch,
-                      JAXOVERLAP_GEMM_ATTR_ARGS);
+ffi::Error DgradRsWgradAccImpl(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt,
+                               ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dx,
+                               ffi::Result<ffi::AnyBuffer> dw,
+                               ffi::Result<ffi::AnyBuffer> scratch, int64_t w_colmajor) {
+  return DgradRsWgrad(call, ct, wt, g, &e, &*dx, &*dw, &*scratch, w_colmajor);
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1, jaxoverlap::DgradRsWgradAccImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // ct [M, ..., N]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w.T [N, K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // g [M, ..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // e [M, ..., K]
-                                      .Ret<xla::ffi::AnyBuffer>()   // dx [M / n, ..., K]
-                                      .Ret<xla::ffi::AnyBuffer>()   // dW [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // scratch [M, K]
-                                  .Attr<int64_t>("w_colmajor"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1, jaxoverlap::DgradRsWgradImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // ct [M, ..., N]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w.T [N, K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // g [M, ..., K]
-                                      .Ret<xla::ffi::AnyBuffer>()   // dx [M / n, ..., K]
-                                      .Ret<xla::ffi::AnyBuffer>()   // dW [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // scratch [M, K]
-                                  .Attr<int64_t>("w_colmajor"));
+// ct [M, ..., N], w.T [N, K], g [M, ..., K] (, e [M, ..., K]) -> dx [M / n, ..., K], dW [K, N],
+// scratch [M, K]; w_colmajor: w.T stored column-major.
+#define JAXOVERLAP_DGRAD_TARGET(symbol, impl, ...)                                      \
+  JAXOVERLAP_FUSED_TARGET(symbol, impl, .Arg<xla::ffi::AnyBuffer>()                     \
+                                            .Arg<xla::ffi::AnyBuffer>()                 \
+                                            .Arg<xla::ffi::AnyBuffer>() __VA_ARGS__     \
+                                            .Ret<xla::ffi::AnyBuffer>()                 \
+                                            .Ret<xla::ffi::AnyBuffer>()                 \
+                                            .Ret<xla::ffi::AnyBuffer>()                 \
+                                            .Attr<int64_t>("w_colmajor"))
+JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradV1, jaxoverlap::DgradRsWgradImpl);
+JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradAccV1, jaxoverlap::DgradRsWgradAccImpl,
+                        .Arg<xla::ffi::AnyBuffer>());  // e [M, ..., K]

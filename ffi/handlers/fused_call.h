@@ -1,19 +1,21 @@
-// What the FFI handlers share: the static group table sent by the lowering (validated whole),
-// the timeout, dtype mapping, turning runtime sentences and CUDA errors into ffi::Error, the fork
-// onto the green-context streams and the join back onto XLA's stream, and the attributes every
-// handler binds. Host code only.
+// What the FFI handlers share: FusedCall -- the skeleton of fused_call_skeleton.h over the CUDA
+// runtime (CudaRuntime below) --, the attributes every fused target binds and how they reach the
+// handler (Call, JAXOVERLAP_FUSED_TARGET), dtype mapping and the row GEMM's checks, and CK.
+// Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "handlers/fused_call_skeleton.h"
 #include "kernels/ce.h"
 #include "kernels/comm.h"
+#include "kernels/tile_rs.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,78 +26,15 @@ static_assert(XLA_FFI_API_MAJOR == 0 && XLA_FFI_API_MINOR == 4,
 namespace jaxoverlap {
 namespace ffi = xla::ffi;
 
-inline ffi::Error internal(const std::string& what, const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInternal, what + ": " + msg);
-}
-inline ffi::Error invalid(const std::string& what, const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, what + ": " + msg);
-}
-
-// CK(call): returns the failed CUDA call and its error as an internal error of the op named by
-// `kWhat`, which must be in scope; under XLA's graph capture, also a call that invalidated it.
-#define CK(call)                                                                \
-  if (cudaError_t ce = (call); ce != cudaSuccess) {                             \
-    return internal(kWhat, std::string(#call) + ": " + cudaGetErrorString(ce)); \
-  } else if (std::string lost = capture_lost(#call); !lost.empty()) {           \
-    return internal(kWhat, lost);                                               \
-  }
-
-// The lowering sends, for every device of the program in this process, its CUDA ordinal, its
-// rank along the reduced axes and its group's ordinals in rank order (rows of `groups`, `n`
-// columns; a member in another process as -1 - its global device id). Every
-// rank validates the whole table, not only its own row: the table is the same attribute on every
-// rank, so a malformed one is rejected by all of them before any launch (a rank that bailed out
-// alone would leave its peers spinning until the timeout).
-inline std::string find_group(int32_t device, ffi::Span<const int32_t> ordinals,
-                              ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
-                              int64_t n, int* rank, std::vector<int>* group) {
-  if (n < 2 || n > kMaxRanks)
-    return "group size " + std::to_string(n) + " is outside 2.." + std::to_string(kMaxRanks);
-  if (ranks.size() != ordinals.size() || groups.size() != ordinals.size() * (size_t)n)
-    return "malformed group table";
-  for (size_t i = 0; i < ordinals.size(); ++i)  // ranks first: the rows are indexed by them
-    if (ranks[i] < 0 || ranks[i] >= n)
-      return "group table gives device " + std::to_string(ordinals[i]) + " rank " +
-             std::to_string(ranks[i]) + ", outside 0.." + std::to_string(n - 1);
-  int found = -1;
-  for (size_t i = 0; i < ordinals.size(); ++i) {
-    const int32_t r = ranks[i];
-    const int32_t* row = groups.begin() + i * n;
-    if (row[r] != ordinals[i])
-      return "group table does not list device " + std::to_string(ordinals[i]) + " at its rank";
-    for (int64_t a = 0; a < n; ++a) {
-      for (int64_t b = 0; b < a; ++b)
-        if (row[a] == row[b]) return "group table lists a device twice in one group";
-      if (row[a] < 0) continue;  // -1 - global id: a member in another process (runtime.h)
-      // Every member must be in the table with this very group, at its position.
-      size_t j = 0;
-      while (j < ordinals.size() && ordinals[j] != row[a]) ++j;
-      if (j == ordinals.size() || ranks[j] != a ||
-          !std::equal(row, row + n, groups.begin() + j * n))
-        return "group table is inconsistent: device " + std::to_string(row[a]) +
-               " does not list the same group at rank " + std::to_string(a);
-    }
-    if (ordinals[i] == device) {
-      if (found >= 0) return "group table lists device " + std::to_string(device) + " twice";
-      found = (int)i;
-    }
-  }
-  if (found < 0) return "device ordinal " + std::to_string(device) + " is not in the group table";
-  *rank = ranks[found];
-  group->assign(groups.begin() + found * n, groups.begin() + (found + 1) * n);
-  return "";
-}
-
-// The bound on every cross-GPU wait, in ns: finite, positive and at most a day (the Python side
-// rejects anything else first; a hand-built call could still send NaN, which would convert to an
-// undefined integer).
-inline std::string to_timeout_ns(double timeout_s, uint64_t* ns) {
-  if (!(timeout_s > 0.0 && timeout_s <= 86400.0))  // false for NaN
-    return "timeout_s=" + std::to_string(timeout_s) + " must be a finite number of seconds in "
-           "(0, 86400]";
-  *ns = (uint64_t)(timeout_s * 1e9);
-  return "";
-}
+// CK(call), in a schedule or in what it calls (anything returning "" or what failed): returns the
+// failed CUDA call and its error; under XLA's graph capture, also a call that invalidated it.
+// FusedCall adds the op's name.
+#define CK(call)                                                              \
+  do {                                                                        \
+    if (cudaError_t ce = (call); ce != cudaSuccess)                           \
+      return std::string(#call) + ": " + cudaGetErrorString(ce);              \
+    if (std::string lost = capture_lost(#call); !lost.empty()) return lost; \
+  } while (0)
 
 inline bool to_dtype(ffi::DataType t, DType* out) {
   if (t == ffi::DataType::BF16) *out = DType::kBF16;
@@ -137,6 +76,16 @@ inline std::string row_gemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
   return "";
 }
 
+// The outputs a call poisons with NaN when one of its waits gave up (the second one optional:
+// the gathered x of all_gather_matmul's variant that returns it, dW of the backward).
+struct Output {
+  void* data;
+  int64_t bytes;
+  DType dtype;
+  void* data2 = nullptr;
+  int64_t bytes2 = 0;
+};
+
 // Preloads our kernels on this device once (lazy module loading can deadlock a spinning
 // consumer against a producer that is not loaded yet).
 inline std::string preload(DeviceRuntime* dev) {
@@ -170,72 +119,16 @@ inline std::string ce_setup(DeviceRuntime* dev) {
   });
 }
 
-// The start of a copy-engine handler's call, after begin_call: our kernels loaded, the copy
-// stream as `streams->comm` (the join's), the test-only failure (fused._failed_rank_for_tests),
-// the device's error record in `*err`.
-inline ffi::Error ce_call_start(const char* kWhat, DeviceRuntime* dev, int32_t device, int rank,
-                                int64_t stall_rank, Partition* streams, ErrorRecord** err) {
-  if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-  if (std::string e = ce_setup(dev); !e.empty()) return internal(kWhat, e);
-  streams->comm = dev->copy;
-  if (stall_rank <= -2 && rank == -2 - stall_rank)
-    return internal(kWhat, "test-only failure injected on this rank after begin_call");
-  *err = error_record(device);
-  if (!*err) return internal(kWhat, "could not allocate the host-mapped error record");
-  capture_mark("ce_call_start");
-  return ffi::Error::Success();
-}
-
-// Whether a workspace's first call on this device runs its warm-up: drain the device, run the
-// call's GEMMs once on its own buffers (planning them, loading their kernels) and wait, so that
-// no kernel of ours spins while a kernel loads. Not while XLA captures the call: nothing of it
-// runs then, and writing the buffers would race with XLA's work still in flight on them; the
-// GEMMs plan and load themselves on scratch operands instead (gemm.h), and the warm-up stays
-// due for the first uncaptured call.
-inline bool warm_up_now(const Workspace* ws, int rank) {
-  return !ws->warmed[rank] && !under_capture();
-}
-
-// The handlers' fork: the green-context streams they launch on (the GEMM stream only if `gemm`)
-// wait for XLA's stream and for the previous call of the same workspace on this device
-// (`ws_done`, recorded by `join`): calls of one workspace never overlap on a device, even when
-// they come from different XLA streams. `kWhat` names the op in errors.
-inline ffi::Error fork_streams(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                               const Partition* part, bool gemm, cudaEvent_t ws_done) {
-  CK(cudaEventRecord(dev->fork, xla_stream));
-  for (cudaStream_t s : {part->gemm, part->comm}) {
-    if (s == part->gemm && !gemm) continue;
-    CK(cudaStreamWaitEvent(s, dev->fork));
-    CK(wait_done(s, ws_done));
-  }
-  return ffi::Error::Success();
-}
-
-// The outputs a call poisons with NaN when one of its waits gave up (the second one optional:
-// the gathered x of all_gather_matmul's variant that returns it).
-struct Output {
-  void* data;
-  int64_t bytes;
-  DType dtype;
-  void* data2 = nullptr;
-  int64_t bytes2 = 0;
-};
-
-// The handlers' join: records the done events on the green-context streams they launched on (the
-// GEMM stream only if `gemm`), makes XLA's stream wait for them, runs the finish kernel on XLA's
-// stream (NaN into `out` if a wait of this rank gave up; epoch + 1) and records the workspace's
-// done event after it.
-inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                       const Partition* part, bool gemm, Workspace* ws, int rank, Output out) {
-  if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
-  CK(cudaEventRecord(dev->comm_done, part->comm));
-  if (gemm) CK(cudaStreamWaitEvent(xla_stream, dev->gemm_done));
-  CK(cudaStreamWaitEvent(xla_stream, dev->comm_done));
-  ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
-  CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype,
-                          xla_stream, false, out.data2, out.bytes2, err, ws->ordinals[rank], rank));
-  CK(record_done(ws->done[rank], xla_stream));
-  return ffi::Error::Success();
+// The tile kernels of this device (handlers/gemm_rs_tile.cc), loaded once (a module loaded while
+// a kernel of ours spins could wait for it: DESIGN.md decision 5) with their shared-memory size.
+inline std::string tile_setup(DeviceRuntime* dev) {
+  if (dev->tile_kernels_loaded) return "";
+  return outside_capture("loading the tile-fused GEMM kernels", [dev]() -> std::string {
+    if (cudaError_t e = preload_tile_kernels())
+      return std::string("loading the tile-fused GEMM kernels failed: ") + cudaGetErrorString(e);
+    dev->tile_kernels_loaded = true;
+    return "";
+  });
 }
 
 // Ends a call that launches nothing more on this rank but must still count as one call of `ws`
@@ -243,7 +136,7 @@ inline ffi::Error join(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime
 // rank would have consumed and advance the epoch (filling `poison` with NaN first, if given), on
 // XLA's stream. Best effort: errors of these CUDA calls are ignored.
 inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partition* part,
-                       Workspace* ws, int rank, const Output* poison = nullptr) {
+                       Workspace* ws, int rank, const Output* poison) {
   // Join the streams this call launched on. Under XLA's capture, a stream the call never forked
   // holds nothing of it, and waiting for it would invalidate the capture (an event recorded
   // outside it): only the forked ones join.
@@ -265,64 +158,147 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   cudaGetLastError();
 }
 
-// Starts this rank's call of `ws`, the logical call `id` (runtime.h: begin_call). If the call is
-// the one chosen to report an earlier failure, every rank refuses it alike: it launches nothing
-// but close_call and returns that report as its error. If another rank issued a different
-// logical call under the same number (calls issued in different orders), the call is given up
-// on every rank: this rank launches nothing but close_call with `out` filled with NaN, and sets
-// `*given_up`; the handler then returns success (like fail_call: an error would stop this
-// rank's program alone) and the report is raised by check_errors() or the next fused call.
-inline ffi::Error begin_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                             Workspace* ws, int rank, CallId id, const Output& out,
-                             uint32_t* index, bool* given_up) {
-  std::string refused;
-  bool misordered = false;
-  *index = begin_call(ws, rank, id, &refused, &misordered);
-  capture_mark("begin_call");
-  *given_up = misordered && refused.empty();
-  if (!*given_up && refused.empty()) return ffi::Error::Success();
-  preload(dev);  // best effort: this may be the device's first call (its kernels not loaded yet)
-  if (*given_up) {
-    close_call(xla_stream, dev, nullptr, ws, rank, &out);
-    return ffi::Error::Success();
+// What FusedCall runs on (the list a fake runtime provides too: tests/native/fused_call_test.cc).
+struct CudaRuntime {
+  using Error = ffi::Error;
+  using Stream = cudaStream_t;
+  using Span = ffi::Span<const int32_t>;
+  using Device = DeviceRuntime;
+  using Workspace = jaxoverlap::Workspace;
+  using Partition = jaxoverlap::Partition;
+  using ErrorRecord = jaxoverlap::ErrorRecord;
+  using Output = jaxoverlap::Output;
+  using DeviceGuard = jaxoverlap::DeviceGuard;
+  using CaptureScope = jaxoverlap::CaptureScope;
+  using Mutex = std::mutex;
+  static constexpr int kMaxRanks = jaxoverlap::kMaxRanks;
+
+  static Error success() { return Error::Success(); }
+  static Error invalid(const char* what, const std::string& msg) {
+    return Error(ffi::ErrorCode::kInvalidArgument, std::string(what) + ": " + msg);
   }
-  close_call(xla_stream, dev, nullptr, ws, rank);
-  return ffi::Error(ffi::ErrorCode::kAborted,
-                    std::string(kWhat) + ": an earlier fused call failed: " + refused);
-}
+  static Error internal(const char* what, const std::string& msg) {
+    return Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + msg);
+  }
+  static Error aborted(const char* what, const std::string& msg) {
+    return Error(ffi::ErrorCode::kAborted, std::string(what) + ": " + msg);
+  }
 
-// A call that failed on this rank after begin_call (its peers may have launched): raise the
-// call's abort word so every rank's waits of this call give up instead of spinning until the
-// timeout, close the call with a NaN output, and report `err` the way a kernel's timeout is
-// reported (check_errors(), or the next fused call on every rank). It returns success to XLA on
-// purpose: an error would stop this rank's program here while its peers' programs go on to
-// their next fused calls, and the ranks' calls would pair up wrongly from then on.
-inline ffi::Error fail_call(const char* kWhat, cudaStream_t xla_stream, DeviceRuntime* dev,
-                            const Partition* part, Workspace* ws, int rank, uint32_t index,
-                            const Output& out, const ffi::Error& err) {
-  capture_mark("the start of fail_call");
-  abort_call(ws, index);
-  close_call(xla_stream, dev, part, ws, rank, &out);
-  report_failure(err.message() + " (on device " + std::to_string(ws->ordinals[rank]) +
-                 ", rank " + std::to_string(rank) + "; the call was given up on every rank of "
-                 "its group and this rank's output filled with NaN)");
-  return ffi::Error::Success();
-}
+  static std::string set_device(int device) {
+    if (cudaError_t e = cudaSetDevice(device))
+      return "cudaSetDevice(" + std::to_string(device) + ") failed: " + cudaGetErrorString(e);
+    return "";
+  }
+  static std::string device_runtime(int device, Device** out) {
+    return jaxoverlap::device_runtime(device, out);
+  }
+  static Mutex& launch_mutex(Device* dev) { return dev->launch_mu; }
+  static std::string workspace(int64_t site, const std::vector<int>& group, int rank,
+                               int64_t block_bytes, bool partials, bool gather, Workspace** out) {
+    return jaxoverlap::workspace(site, group, rank, block_bytes, partials, out, gather);
+  }
+  static uint32_t begin_call(Workspace* ws, int rank, int64_t run, int64_t tag,
+                             std::string* refused, bool* misordered) {
+    const uint32_t index = jaxoverlap::begin_call(ws, rank, CallId{run, tag}, refused, misordered);
+    capture_mark("begin_call");
+    return index;
+  }
+  static void close_call(Stream s, Device* dev, const Partition* part, Workspace* ws, int rank,
+                         const Output* poison) {
+    jaxoverlap::close_call(s, dev, part, ws, rank, poison);
+  }
+  // A call that failed on this rank after begin_call (its peers may have launched): raise the
+  // call's abort word so every rank's waits of this call give up instead of spinning until the
+  // timeout, close the call with a NaN output, and report `msg` the way a kernel's timeout is
+  // reported (check_errors(), or the next fused call on every rank). FusedCall then returns
+  // success to XLA on purpose: an error would stop this rank's program here while its peers'
+  // programs go on to their next fused calls, and the ranks' calls would pair up wrongly.
+  static void fail_call(Stream s, Device* dev, const Partition* part, Workspace* ws, int rank,
+                        uint32_t index, const Output& out, const std::string& msg) {
+    capture_mark("the start of fail_call");
+    abort_call(ws, index);
+    jaxoverlap::close_call(s, dev, part, ws, rank, &out);
+    report_failure(msg + " (on device " + std::to_string(ws->ordinals[rank]) + ", rank " +
+                   std::to_string(rank) + "; the call was given up on every rank of its group "
+                   "and this rank's output filled with NaN)");
+  }
+  // The all-reduce's copy stream, beside its partition, joined into the comm stream (which
+  // close_call joins) when the call fails.
+  static void join_copy(Device* dev, const Partition* part) {
+    if (!dev->copy) return;
+    cudaEventRecord(dev->comm_done, dev->copy);
+    cudaStreamWaitEvent(part->comm, dev->comm_done);
+  }
+  static std::string preload(Device* dev) { return jaxoverlap::preload(dev); }
+  static std::string ce_setup(Device* dev) { return jaxoverlap::ce_setup(dev); }
+  static Stream copy_stream(Device* dev) { return dev->copy; }
+  static std::string partition(Device* dev, int comm_sms, Partition** out) {
+    return jaxoverlap::partition(dev, comm_sms, out);
+  }
+  static std::string tile_setup(Device* dev) { return jaxoverlap::tile_setup(dev); }
+  static ErrorRecord* error_record(int device) { return jaxoverlap::error_record(device); }
+  static void mark(const char* where) { capture_mark(where); }
 
-// The parameters and arguments of bind_common_attrs' attributes (and the run id) followed by
-// `w_colmajor`, for handlers with variants of different buffer lists that forward to one
-// implementation (handlers/ag_gemm.cc, handlers/dgrad_rs_wgrad.cc).
-#define JAXOVERLAP_GEMM_ATTR_PARAMS                                                           \
-  int64_t site, ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,            \
-      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,           \
-      double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,                \
-      ffi::RunId run_id, int64_t w_colmajor
-#define JAXOVERLAP_GEMM_ATTR_ARGS                                                             \
-  site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, \
-      run_id, w_colmajor
+  // Whether a workspace's first call on this device runs its warm-up: drain the device, run the
+  // call's GEMMs once on its own buffers (planning them, loading their kernels) and wait, so that
+  // no kernel of ours spins while a kernel loads. Not while XLA captures the call: nothing of it
+  // runs then, and writing the buffers would race with XLA's work still in flight on them; the
+  // GEMMs plan and load themselves on scratch operands instead (gemm.h), and the warm-up stays
+  // due for the first uncaptured call.
+  static bool warm_up_now(const Workspace* ws, int rank) {
+    return !ws->warmed[rank] && !under_capture();
+  }
+  static void warmed(Workspace* ws, int rank) { ws->warmed[rank] = true; }
 
-// The attributes both handlers take after their buffers, in this order (the lowering,
-// jaxoverlap/fused.py, sends them by name).
+  // The fork: the green-context streams the call launches on (the GEMM stream only if `gemm`)
+  // wait for XLA's stream and for the previous call of the same workspace on this device
+  // (`done`, recorded by join): calls of one workspace never overlap on a device, even when they
+  // come from different XLA streams. With the partition, the all-reduce's copy stream too;
+  // without it, XLA's stream (GEMMs, or the tile kernel) waits for that previous call.
+  static std::string fork(Stream s, Device* dev, const Partition* part, bool gemm, unsigned uses,
+                          Workspace* ws, int rank) {
+    using FC = BasicFusedCall<CudaRuntime>;
+    cudaEvent_t done = ws->done[rank];
+    if (part) {
+      CK(cudaEventRecord(dev->fork, s));
+      for (cudaStream_t p : {part->gemm, part->comm}) {
+        if (p == part->gemm && !gemm) continue;
+        CK(cudaStreamWaitEvent(p, dev->fork));
+        CK(wait_done(p, done));
+      }
+    }
+    if ((uses & FC::kSmPartition) && (uses & FC::kCopyEngine)) {
+      CK(cudaStreamWaitEvent(dev->copy, dev->fork));
+      CK(wait_done(dev->copy, done));
+    }
+    if (!(uses & FC::kSmPartition)) CK(wait_done(s, done));
+    return "";
+  }
+  // The join: records the done events on the streams the call forked (the GEMM stream only if
+  // `gemm`), makes XLA's stream wait for them, runs the finish kernel on XLA's stream (NaN into
+  // the outputs if a wait of this rank gave up; epoch + 1) and records the workspace's done
+  // event after it.
+  static std::string join(Stream s, Device* dev, const Partition* part, bool gemm, Workspace* ws,
+                          int rank, const Output& out) {
+    if (part) {
+      if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
+      CK(cudaEventRecord(dev->comm_done, part->comm));
+      if (gemm) CK(cudaStreamWaitEvent(s, dev->gemm_done));
+      CK(cudaStreamWaitEvent(s, dev->comm_done));
+    }
+    ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
+    CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype, s, false,
+                            out.data2, out.bytes2, err, ws->ordinals[rank], rank));
+    CK(record_done(ws->done[rank], s));
+    return "";
+  }
+};
+
+using FusedCall = BasicFusedCall<CudaRuntime>;
+using Call = FusedCall::Call;
+
+// The attributes every fused target takes after its own (the lowering, jaxoverlap/fused.py,
+// sends them by name; XLA matches attributes by name, so their place in the binding is free).
 template <typename Binding>
 auto bind_common_attrs(Binding&& binding) {
   return std::move(binding)
@@ -340,4 +316,32 @@ auto bind_common_attrs(Binding&& binding) {
       .template Ctx<ffi::RunId>();
 }
 
+// The entry XLA calls for a handler `ffi::Error Impl(const Call&, buffers..., own attributes...)`:
+// XLA's stream and device, Impl's arguments, then the common attributes and the run id, which it
+// hands on as one Call.
+template <auto Impl>
+struct Entry;
+template <typename... T, ffi::Error (*Impl)(const Call&, T...)>
+struct Entry<Impl> {
+  static ffi::Error call(cudaStream_t stream, int32_t device, T... args, int64_t site,
+                         ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                         ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                         int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
+                         int64_t call_tag, ffi::RunId run_id) {
+    return Impl(Call{stream, device,
+                     {site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank,
+                      profile, call_tag, run_id.run_id}},
+                std::move(args)...);
+  }
+};
+
 }  // namespace jaxoverlap
+
+// Defines the FFI symbol `symbol` of handler `impl`, whose buffers and own attributes are bound by
+// the binding steps `...` (.Arg<>(), .Ret<>(), .Attr<>(); registry.cc gives the symbol its name).
+#define JAXOVERLAP_FUSED_TARGET(symbol, impl, ...)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                  \
+      symbol, jaxoverlap::Entry<impl>::call,                                      \
+      jaxoverlap::bind_common_attrs(xla::ffi::Ffi::Bind()                         \
+                                        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
+                                        .Ctx<xla::ffi::DeviceOrdinal>() __VA_ARGS__))

@@ -18,72 +18,47 @@
 // peer's reduced chunks and copies them from that area into the peer's rows of the output. Every
 // rank holds the owners' rows verbatim: the ranks' outputs are bitwise equal. Both staging areas
 // are released by one slot_free release, after the own GEMMs and the gather copies read them.
+#include <algorithm>
 #include <string>
-#include <vector>
 
 #include "handlers/fused_call.h"
 #include "kernels/comm.h"
-#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {
 
-ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer* out, bool all_reduce, int64_t site,
-                  ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                  ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms, int64_t chunks,
-                  double timeout_s, int64_t stall_rank, int64_t profile, int64_t call_tag,
-                  ffi::RunId run_id, int64_t w_colmajor, int64_t x_colmajor) {
+// jaxoverlap_gemm_rs_v1 (kAllReduce false) and jaxoverlap_gemm_ar_v1 (true).
+template <bool kAllReduce>
+ffi::Error GemmRs(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::Result<ffi::AnyBuffer> res, int64_t w_colmajor, int64_t x_colmajor) {
+  constexpr bool all_reduce = kAllReduce;
   const char* kWhat = all_reduce ? "jaxoverlap.matmul_all_reduce (fused)"
                                  : "jaxoverlap.matmul_reduce_scatter (fused)";
   const int op_code = all_reduce ? kOpGemmAr : kOpGemmRs;
-  uint64_t timeout_ns = 0;
-  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
+  ffi::AnyBuffer* out = &*res;
+  FusedCall fc(kWhat, call);
+  if (ffi::Error e = fc.check(); e.failure()) return e;
+  const int64_t n = call.attrs.n, comm_sms = call.attrs.comm_sms, chunks = call.attrs.chunks;
   RowGemm g;
   if (std::string e = row_gemm(x, w, *out, n, chunks, /*gather=*/false, &g); !e.empty())
-    return invalid(kWhat, e);
+    return fc.invalid(e);
   const DType dtype = g.dtype;
   const int64_t K = g.K, N = g.N, M = g.rows, m = g.m, mc = g.mc;
   const int64_t elt = 2;
   if ((int64_t)out->element_count() != (all_reduce ? M : m) * N)
-    return invalid(kWhat, all_reduce ? "result size is not rows x N"
-                                     : "result size is not (rows / group size) x N");
+    return fc.invalid(all_reduce ? "result size is not rows x N"
+                                 : "result size is not (rows / group size) x N");
   if (x_colmajor && (x.dimensions().size() != 2 || (mc * elt) % 256))
-    return invalid(kWhat, "column-major x must be 2-D with rows per chunk a multiple of 128 "
-                          "(256-byte alignment of each chunk's first row)");
-  int rank = -1;
-  std::vector<int> group;
-  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
-    return invalid(kWhat, e);
-
-  DeviceGuard guard;
-  cudaSetDevice(device);
-  DeviceRuntime* dev;
-  Partition* part = nullptr;
-  Workspace* ws;
+    return fc.invalid("column-major x must be 2-D with rows per chunk a multiple of 128 "
+                      "(256-byte alignment of each chunk's first row)");
   const int64_t block_bytes = m * N * elt;
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
-  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
-  std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, rank, block_bytes, true, &ws, all_reduce);
-      !e.empty())
-    return internal(kWhat, e);
-  // From here on this call counts on every rank: a failure below gives it up on all of them.
-  uint32_t index = 0;
-  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
-                                {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, &index,
-                                &given_up);
-      e.failure() || given_up)
-    return e;
-  ffi::Error result = [&]() -> ffi::Error {
-    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);
-    if (std::string e = all_reduce ? ce_setup(dev) : ""; !e.empty()) return internal(kWhat, e);
-    if (std::string e = partition(dev, (int)comm_sms, &part); !e.empty()) return internal(kWhat, e);
-    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
-      return internal(kWhat, "test-only failure injected on this rank after begin_call");
-    ErrorRecord* err = error_record(device);
-    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
+  const unsigned uses = FusedCall::kSmPartition | (all_reduce ? FusedCall::kCopyEngine : 0u);
+  const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
+  return fc.run({block_bytes, true, all_reduce, uses}, output, [&](FusedCall& c) -> std::string {
+    const int rank = c.rank();
+    DeviceRuntime* dev = c.dev();
+    Workspace* ws = c.ws();
+    const Partition* part = c.streams();
     const Peers& peers = ws->peers[rank];
     Flags* local = peers.flags[rank];
     const char* xp = static_cast<const char*>(x.untyped_data());
@@ -102,6 +77,9 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
         n == 2 ? (int)std::min<int64_t>(comm_sms, kMaxSenders)
                : (int)std::max<int64_t>(1, std::min<int64_t>(comm_sms / 2, kMaxSenders));
     const int receivers = n == 2 ? 0 : (int)std::min<int64_t>(comm_sms - senders, kMaxSenders);
+    const int64_t stall_rank = call.attrs.stall_rank;
+    const uint64_t timeout_ns = c.timeout_ns();
+    ErrorRecord* err = c.err();
 
     // Operand alignment: XLA guarantees 16 bytes for entry parameters, cuBLASLt's fast kernels
     // want 256. Each rank handles its own pointers (the GEMM plans are chosen for the alignment
@@ -109,26 +87,20 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     // peers launched. Chunk offsets are multiples of 256 bytes (checked above).
     if (GemmRunner::alignment(xp) < 2 || GemmRunner::alignment(wp) < 2 ||
         GemmRunner::alignment(op) < 2)
-      return invalid(kWhat, "an operand is not aligned to its 2-byte element");
+      return "an operand is not aligned to its 2-byte element";
 
-    if (ffi::Error e = fork_streams(kWhat, xla_stream, dev, part, /*gemm=*/true, ws->done[rank]);
-        e.failure())
-      return e;
-    if (all_reduce) {  // the copy stream too (fork_streams recorded dev->fork)
-      CK(cudaStreamWaitEvent(dev->copy, dev->fork));
-      CK(wait_done(dev->copy, ws->done[rank]));
-    }
-    if (warm_up_now(ws, rank)) {
+    if (std::string e = c.fork(/*gemm=*/true); !e.empty()) return e;  // the all-reduce's copy too
+    if (c.warm_up_now()) {
       // Load cuBLASLt's kernels (and pick the plans) before this call's spinning kernels are
       // launched, with the pointers' alignments of the real calls (plans depend on them): the
       // foreign GEMM as below, the own GEMM with C in our memory and D = the output (both are
       // overwritten below). On the GEMM stream after the fork, with that stream's cuBLASLt
       // workspace: ordered with every other GEMM of the stream.
       if (std::string e = dev->gemm.run(foreign, xp, wp, nullptr, partials, part->gemm); !e.empty())
-        return internal(kWhat, e);
+        return e;
       if (std::string e = dev->gemm.run(own, xp, wp, partials, own_rows, part->gemm); !e.empty())
-        return internal(kWhat, e);
-      ws->warmed[rank] = true;
+        return e;
+      c.warmed();
     }
 
     // Producer first: every GEMM launch precedes the spinning comm kernel in host order.
@@ -138,31 +110,31 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
         const char* a = xp + (j * m + k * mc) * row_elems * elt;
         char* d = partials + t * block_bytes + k * mc * N * elt;
         if (std::string e = dev->gemm.run(foreign, a, wp, nullptr, d, part->gemm); !e.empty())
-          return internal(kWhat, e);
+          return e;
         CK(launch_signal_ready(local, t * (int)chunks + k, part->gemm));
       }
     }
-    CommArgs c{};
-    c.peers = peers;
-    c.src = partials;
-    c.own = nullptr;
-    c.out = ws->acc[rank];
-    c.block_bytes = block_bytes;
-    c.chunks = (int)chunks;
-    c.senders = senders;
-    c.receivers = receivers;
-    c.src_by_step = 1;
-    c.wait_ready = 1;
-    c.signal_reduced = n > 2;
-    c.stall_rank = (int)stall_rank;
-    c.op = op_code;
-    c.timeout_ns = timeout_ns;
-    c.err = err;
-    c.dtype = dtype;
+    CommArgs ca{};
+    ca.peers = peers;
+    ca.src = partials;
+    ca.own = nullptr;
+    ca.out = ws->acc[rank];
+    ca.block_bytes = block_bytes;
+    ca.chunks = (int)chunks;
+    ca.senders = senders;
+    ca.receivers = receivers;
+    ca.src_by_step = 1;
+    ca.wait_ready = 1;
+    ca.signal_reduced = n > 2;
+    ca.stall_rank = (int)stall_rank;
+    ca.op = op_code;
+    ca.timeout_ns = timeout_ns;
+    ca.err = err;
+    ca.dtype = dtype;
     // profile == 1 (tools only): the GEMM schedule alone, no communication -- what the GEMM costs
     // on its partition with this chunking; the result is garbage.
-    const bool communicate = profile != 1;
-    if (communicate) CK(launch_comm(c, part->comm));
+    const bool communicate = call.attrs.profile != 1;
+    if (communicate) CK(launch_comm(ca, part->comm));
     const int peer = (rank + 1) % (int)n;  // n == 2: the only peer
     const bool gather = all_reduce && communicate;
     for (int k = 0; k < chunks; ++k) {
@@ -175,7 +147,7 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
       const char* a = xp + (rank * m + k * mc) * row_elems * elt;
       if (std::string e = dev->gemm.run(own, a, wp, cin, own_rows + k * chunk_bytes, part->gemm);
           !e.empty())
-        return internal(kWhat, e);
+        return e;
       if (!gather) continue;
       // The reduced chunk k, pushed to every peer behind its GEMM (dev->gemm_done is re-recorded
       // per chunk: each wait below captures the record just before it). Peers in the order
@@ -215,50 +187,20 @@ ffi::Error GemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi
     } else if (communicate) {
       CK(launch_release_slots(peers, part->gemm));
     }
-    return join(kWhat, xla_stream, dev, part, /*gemm=*/true, ws, rank,
-                {op, (int64_t)out->size_bytes(), dtype});
-  }();
-  if (result.failure()) {
-    if (all_reduce && part && dev->copy) {  // close_call joins the comm stream: the copy's too
-      cudaEventRecord(dev->comm_done, dev->copy);
-      cudaStreamWaitEvent(part->comm, dev->comm_done);
-    }
-    return fail_call(kWhat, xla_stream, dev, part, ws, rank, index,
-                     {out->untyped_data(), (int64_t)out->size_bytes(), dtype}, result);
-  }
-  return result;
-}
-
-// jaxoverlap_gemm_rs_v1 (kAllReduce false) and jaxoverlap_gemm_ar_v1 (true).
-template <bool kAllReduce>
-ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                      ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                      ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                      int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
-                      int64_t call_tag, ffi::RunId run_id, int64_t w_colmajor,
-                      int64_t x_colmajor) {
-  return GemmRs(xla_stream, device, x, w, &*out, kAllReduce, site, ordinals, ranks, groups, n,
-                comm_sms, chunks, timeout_s, stall_rank, profile, call_tag, run_id, w_colmajor,
-                x_colmajor);
-}
-
-// Both targets' binding: x [..., K], w [K, N] -> out, then the common attributes.
-auto gemm_rs_binding() {
-  return bind_common_attrs(xla::ffi::Ffi::Bind()
-                               .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                               .Ctx<xla::ffi::DeviceOrdinal>()
-                               .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
-                               .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                               .Ret<xla::ffi::AnyBuffer>())  // out
-      .Attr<int64_t>("w_colmajor")                           // w stored column-major
-      .Attr<int64_t>("x_colmajor");                          // x stored column-major
+    return c.join();
+  });
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsV1, jaxoverlap::GemmRsImpl<false>,
-                              jaxoverlap::gemm_rs_binding());  // out [rows / n, ..., N]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmArV1, jaxoverlap::GemmRsImpl<true>,
-                              jaxoverlap::gemm_rs_binding());  // out [..., N], the sum
+// Both targets: x [..., K], w [K, N] -> out ([rows / n, ..., N], or the sum [..., N]).
+#define JAXOVERLAP_GEMM_RS_TARGET(symbol, all_reduce)                               \
+  JAXOVERLAP_FUSED_TARGET(symbol, jaxoverlap::GemmRs<all_reduce>,                  \
+                          .Arg<xla::ffi::AnyBuffer>()    /* x [..., K] */           \
+                          .Arg<xla::ffi::AnyBuffer>()    /* w [K, N] */             \
+                          .Ret<xla::ffi::AnyBuffer>()    /* out */                  \
+                          .Attr<int64_t>("w_colmajor")   /* w stored column-major */ \
+                          .Attr<int64_t>("x_colmajor"))  /* x stored column-major */
+JAXOVERLAP_GEMM_RS_TARGET(JaxoverlapGemmRsV1, false);
+JAXOVERLAP_GEMM_RS_TARGET(JaxoverlapGemmArV1, true);

@@ -7,86 +7,45 @@
 // The workspace is one staging slot per source (two parities of a block + the source's slab
 // flags), shared by every call site of the same op and shapes like the other handlers'.
 #include <string>
-#include <vector>
 
 #include "handlers/fused_call.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
-#include "runtime/runtime.h"
 
 namespace jaxoverlap {
 namespace {
 
 constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused, tile schedule)";
 
-// The tile kernels of this device, loaded once (a module loaded while a kernel of ours spins
-// could wait for it: DESIGN.md decision 5) and given their shared-memory size.
-std::string tile_setup(DeviceRuntime* dev) {
-  if (dev->tile_kernels_loaded) return "";
-  return outside_capture("loading the tile-fused GEMM kernels", [dev]() -> std::string {
-    if (cudaError_t e = preload_tile_kernels())
-      return std::string("loading the tile-fused GEMM kernels failed: ") + cudaGetErrorString(e);
-    dev->tile_kernels_loaded = true;
-    return "";
-  });
-}
-
-ffi::Error GemmRsTileImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                          ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                          JAXOVERLAP_GEMM_ATTR_PARAMS, int64_t swizzle) {
-  (void)comm_sms, (void)chunks;  // one kernel over the whole device, no chunks
-  uint64_t timeout_ns = 0;
-  if (std::string e = to_timeout_ns(timeout_s, &timeout_ns); !e.empty()) return invalid(kWhat, e);
+ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t w_colmajor, int64_t swizzle) {
+  FusedCall fc(kWhat, call);  // comm_sms and chunks unused: one kernel over the whole device
+  if (ffi::Error e = fc.check(); e.failure()) return e;
+  const int64_t n = call.attrs.n;
   DType dtype;
   if (!to_dtype(x.element_type(), &dtype) || w.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
-    return invalid(kWhat, "x, w and the result must all be bfloat16");
+    return fc.invalid("x, w and the result must all be bfloat16");
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[0])
-    return invalid(kWhat, "expected x[..., K] and w[K, N]");
+    return fc.invalid("expected x[..., K] and w[K, N]");
   const int64_t K = wd[0], N = wd[1];
   const int64_t rows = K ? (int64_t)x.element_count() / K : 0;
-  if (n < 2 || rows % n) return invalid(kWhat, "the rows of x are not divisible by the group size");
+  if (rows % n) return fc.invalid("the rows of x are not divisible by the group size");
   const int64_t m = rows / n;
   if ((int64_t)out->element_count() != m * N)
-    return invalid(kWhat, "result size is not (rows / group size) x N");
-  if (swizzle < 1 || swizzle > 64) return invalid(kWhat, "swizzle must be in 1..64");
+    return fc.invalid("result size is not (rows / group size) x N");
+  if (swizzle < 1 || swizzle > 64) return fc.invalid("swizzle must be in 1..64");
   if (std::string e = tile_rs_unsupported(dtype, (int)n, m, N, K, x.untyped_data(),
                                           w.untyped_data(), out->untyped_data());
       !e.empty())
-    return invalid(kWhat, e);
-  int rank = -1;
-  std::vector<int> group;
-  if (std::string e = find_group(device, ordinals, ranks, groups, n, &rank, &group); !e.empty())
-    return invalid(kWhat, e);
-
-  DeviceGuard guard;
-  cudaSetDevice(device);
-  DeviceRuntime* dev;
-  Workspace* ws;
+    return fc.invalid(e);
   const int64_t slot_bytes = tile_rs_slot_bytes(m, N);
-  CaptureScope capture(xla_stream, kWhat);  // XLA may be capturing this call (capture.h)
-  if (std::string e = device_runtime(device, &dev); !e.empty()) return internal(kWhat, e);
-  std::lock_guard<std::mutex> hold(dev->launch_mu);
-  if (std::string e = workspace(site, group, rank, slot_bytes, false, &ws); !e.empty())
-    return internal(kWhat, e);
-  // From here on this call counts on every rank: a failure below gives it up on all of them.
-  uint32_t index = 0;
-  bool given_up = false;  // issued out of order (call_order.h): given up on every rank
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
-  if (ffi::Error e = begin_call(kWhat, xla_stream, dev, ws, rank, {run_id.run_id, call_tag},
-                                output, &index, &given_up);
-      e.failure() || given_up)
-    return e;
-  ffi::Error result = [&]() -> ffi::Error {
-    if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-    if (std::string e = tile_setup(dev); !e.empty()) return internal(kWhat, e);
-    if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
-      return internal(kWhat, "test-only failure injected on this rank after begin_call");
-    ErrorRecord* err = error_record(device);
-    if (!err) return internal(kWhat, "could not allocate the host-mapped error record");
-    const Peers& peers = ws->peers[rank];
+  return fc.run({slot_bytes, false, false, FusedCall::kTileKernels}, output,
+                [&](FusedCall& c) -> std::string {
+    const Peers& peers = c.ws()->peers[c.rank()];
     TileRsArgs a{};
     a.peers = peers;
     a.x = x.untyped_data();
@@ -98,37 +57,27 @@ ffi::Error GemmRsTileImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffe
     a.w_colmajor = (int32_t)w_colmajor;
     a.dtype = dtype;
     a.slot_bytes = slot_bytes;
-    a.sm_count = dev->total_sms;
+    a.sm_count = c.dev()->total_sms;
     a.swizzle = (int32_t)swizzle;
-    a.mode = profile == 1 ? 1 : 0;  // tools only: the kernel's traffic without the waits
-    a.stall_rank = (int32_t)stall_rank;
+    a.mode = call.attrs.profile == 1 ? 1 : 0;  // tools only: the kernel's traffic without waits
+    a.stall_rank = (int32_t)call.attrs.stall_rank;
     a.op = kOpGemmRs;
-    a.timeout_ns = timeout_ns;
-    a.err = err;
-    CK(wait_done(xla_stream, ws->done[rank]));
-    CK(launch_tile_rs(a, xla_stream));
-    CK(launch_release_slots(peers, xla_stream));
-    ErrorRecord* spans_err = ws->spans ? err : nullptr;
-    CK(launch_finish_poison(peers.flags[rank], output.data, output.bytes, dtype, xla_stream,
-                            false, nullptr, 0, spans_err, ws->ordinals[rank], rank));
-    CK(record_done(ws->done[rank], xla_stream));
-    return ffi::Error::Success();
-  }();
-  if (result.failure())
-    return fail_call(kWhat, xla_stream, dev, nullptr, ws, rank, index, output, result);
-  return result;
+    a.timeout_ns = c.timeout_ns();
+    a.err = c.err();
+    // No fork: XLA's stream waits for the previous call of the workspace and runs it all.
+    if (std::string e = c.fork(/*gemm=*/false); !e.empty()) return e;
+    CK(launch_tile_rs(a, c.stream()));
+    CK(launch_release_slots(peers, c.stream()));
+    return c.join();
+  });
 }
 
 }  // namespace
 }  // namespace jaxoverlap
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapGemmRsTileV1, jaxoverlap::GemmRsTileImpl,
-                              jaxoverlap::bind_common_attrs(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()
-                                      .Arg<xla::ffi::AnyBuffer>()   // x [..., K]
-                                      .Arg<xla::ffi::AnyBuffer>()   // w [K, N]
-                                      .Ret<xla::ffi::AnyBuffer>())  // out [rows / n, ..., N]
-                                  .Attr<int64_t>("w_colmajor")      // w stored column-major
-                                  .Attr<int64_t>("swizzle"));       // cluster rows per band
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsTileV1, jaxoverlap::GemmRsTile,
+                        .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
+                        .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
+                        .Ret<xla::ffi::AnyBuffer>()    // out [rows / n, ..., N]
+                        .Attr<int64_t>("w_colmajor")   // w stored column-major
+                        .Attr<int64_t>("swizzle"));    // cluster rows per band
