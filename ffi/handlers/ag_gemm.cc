@@ -75,7 +75,7 @@ ffi::Error AgGemm(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Any
     cudaStream_t xla_stream = c.stream();
     const uint64_t timeout_ns = c.timeout_ns();
     ErrorRecord* err = c.err();
-    const Peers& peers = c.ws()->peers[rank];
+    const Peers& peers = c.peers();
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();
     char* op = static_cast<char*>(out->untyped_data());

@@ -64,9 +64,7 @@ ffi::Error DgradRsWgrad(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt, 
     const int rank = c.rank();
     DeviceRuntime* dev = c.dev();
     cudaStream_t xla_stream = c.stream();
-    const uint64_t timeout_ns = c.timeout_ns();
-    ErrorRecord* err = c.err();
-    const Peers& peers = c.ws()->peers[rank];
+    const Peers& peers = c.peers();
     const char* ctp = static_cast<const char*>(ct.untyped_data());
     const void* wtp = wt.untyped_data();
     const void* gp = g.untyped_data();
@@ -106,7 +104,7 @@ ffi::Error DgradRsWgrad(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt, 
     // kernel of the copy stream may wait for a GEMM block to retire before it runs, so the
     // pushes get as few of them as possible between them (n > 2).
     for (int s = 1; communicate && s < n; ++s)
-      CK(launch_ce_wait_slot_free(peers, (rank + s) % (int)n, kOpDgradRs, timeout_ns, err,
+      CK(launch_ce_wait_slot_free(peers, (rank + s) % (int)n, kOpDgradRs, c.timeout_ns(), c.err(),
                                   dev->copy));
     for (int s = 1; communicate && s < n; ++s) {
       const int j = (rank + s) % (int)n;
@@ -116,8 +114,8 @@ ffi::Error DgradRsWgrad(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt, 
     }
     if (std::string e = wgrad_gemm(); !e.empty()) return e;
     for (int s = 1; communicate && s < n; ++s)
-      CK(launch_ce_wait_arrival(peers, (rank - s + (int)n) % (int)n, 0, kOpDgradRs, timeout_ns,
-                                err, xla_stream));
+      CK(launch_ce_wait_arrival(peers, (rank - s + (int)n) % (int)n, 0, kOpDgradRs,
+                                c.timeout_ns(), c.err(), xla_stream));
     CK(launch_sum_blocks(dxp, pp + rank * block_bytes, peers.stage[rank], (int)n - 1, m * K,
                          m * K, dtype, dev->total_sms, xla_stream));
     if (communicate) CK(launch_release_slots(peers, xla_stream));

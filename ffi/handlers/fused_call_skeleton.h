@@ -173,6 +173,8 @@ class BasicFusedCall {
   typename Rt::Device* dev() const { return dev_; }
   typename Rt::Workspace* ws() const { return ws_; }
   typename Rt::ErrorRecord* err() const { return err_; }
+  // This rank's table of the group's buffers (runtime.h: Workspace::peers).
+  const auto& peers() const { return ws_->peers[rank_]; }
   // The streams the call launches on besides XLA's: the SM partition's, or XLA's (GEMMs) and the
   // copy stream (pushes); null for the tile kernels.
   const typename Rt::Partition* streams() const { return streams_; }

@@ -59,7 +59,7 @@ ffi::Error GemmRs(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     DeviceRuntime* dev = c.dev();
     Workspace* ws = c.ws();
     const Partition* part = c.streams();
-    const Peers& peers = ws->peers[rank];
+    const Peers& peers = c.peers();
     Flags* local = peers.flags[rank];
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();

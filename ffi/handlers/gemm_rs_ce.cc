@@ -60,7 +60,7 @@ ffi::Error GemmRsCe(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     ErrorRecord* err = c.err();
     const int stall_rank = (int)call.attrs.stall_rank;
     if (std::string e = chunk_events(dev, (int)(n - 1) * (int)chunks); !e.empty()) return e;
-    const Peers& peers = ws->peers[rank];
+    const Peers& peers = c.peers();
     const char* xp = static_cast<const char*>(x.untyped_data());
     const void* wp = w.untyped_data();
     char* partials = ws->part[rank];

@@ -45,7 +45,7 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
   return fc.run({slot_bytes, false, false, FusedCall::kTileKernels}, output,
                 [&](FusedCall& c) -> std::string {
-    const Peers& peers = c.ws()->peers[c.rank()];
+    const Peers& peers = c.peers();
     TileRsArgs a{};
     a.peers = peers;
     a.x = x.untyped_data();

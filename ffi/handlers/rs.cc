@@ -36,7 +36,7 @@ ffi::Error Rs(const Call& call, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> ou
     const int rank = c.rank();
     const Partition* part = c.streams();
     const int64_t profile = call.attrs.profile;
-    const Peers& peers = c.ws()->peers[rank];
+    const Peers& peers = c.peers();
     const char* xp = static_cast<const char*>(x.untyped_data());
     // TMA bulk copies need 16-byte aligned addresses; XLA guarantees 16 bytes for every buffer,
     // so this never fires on one rank alone unless that guarantee is broken.

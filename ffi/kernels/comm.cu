@@ -35,6 +35,9 @@ __device__ void sender(const CommArgs& a, char* smem, uint64_t* mbar, int b) {
     if (!wait_flag(&local->slot_free[j], e - 1u, true, a.timeout_ns, a.err, p,
                    {a.op, kWaitSlotFree, j, -1}))
       return;
+    // The peer read its slot (generic proxy) before releasing it; our TMA stores (async proxy)
+    // overwrite it. With wait_ready the fence after each ready wait below orders them too.
+    if (!a.wait_ready) fence_proxy_async();
     const char* block = a.src + (int64_t)(a.src_by_step ? t : j) * a.block_bytes;
     char* dst_block = p.stage[j] + (int64_t)stage_slot(r, j, n) * a.block_bytes;
     for (int k = 0; k < a.chunks; ++k) {
@@ -369,8 +372,7 @@ __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems,
   const uint32_t from = *(volatile uint32_t*)&local->poison_from;
   const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
   if (poisoned && err && threadIdx.x == 0) {
-    volatile ErrorRecord* r = err;
-    if (!r->set) {
+    if (volatile ErrorRecord* r = claim_error_record(err)) {
       r->op = 0;
       r->what = kPeerGaveUp;
       r->device = device;
@@ -380,8 +382,7 @@ __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems,
       r->target = epoch + 1u;
       r->seen = from;
       r->waited_s = 0;
-      __threadfence_system();
-      r->set = 1;
+      publish_error_record(r);
     }
   }
   if (force || poisoned || local->gave_up == epoch + 1u) {

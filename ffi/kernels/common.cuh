@@ -16,7 +16,7 @@ enum OpCode : int32_t {
   kOpGemmRs = 1,
   kOpReduceScatter = 2,
   kOpAgGemm = 3,
-  kOpDgradRs = 4,  // the backward's dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc)
+  kOpDgradRs = 4,  // the dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc)
   kOpGemmAr = 5,   // the fused GEMM + all-reduce (handlers/gemm_rs.cc, all-reduce mode)
 };
 enum WaitWhat : int32_t {
@@ -32,7 +32,8 @@ enum WaitWhat : int32_t {
 
 // Lives in host-mapped pinned memory so the host reads it without synchronising with the GPU.
 struct ErrorRecord {
-  int32_t set, op, what, device, rank, peer, chunk;
+  int32_t set;  // 0 free, 2 being written by a kernel, 1 written (claim_error_record)
+  int32_t op, what, device, rank, peer, chunk;
   uint32_t target, seen;
   double waited_s;
 };
@@ -134,6 +135,19 @@ __device__ __forceinline__ uint64_t global_ns() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
 
+// The error record has one writer per report: the first thread to claim it (set 0 -> 2, "being
+// written"; hundreds of warps may time out within microseconds), which fills the fields and then
+// publishes it (set = 1). The host reads a record only once it is 1 (runtime.cc) and clears it to
+// 0. Null: not claimed (no record, or another thread's report stands).
+__device__ __forceinline__ volatile ErrorRecord* claim_error_record(ErrorRecord* err) {
+  if (!err || atomicCAS_system(&err->set, 0, 2) != 0) return nullptr;
+  return err;
+}
+__device__ __forceinline__ void publish_error_record(volatile ErrorRecord* r) {
+  __threadfence_system();
+  r->set = 1;
+}
+
 struct WaitSite {
   int32_t op, what, peer, chunk;
 };
@@ -173,8 +187,7 @@ __device__ __forceinline__ bool wait_flag_impl(const uint32_t* p, uint32_t targe
         }
         const uint64_t dt = global_ns() - t0;
         if (dt > timeout_ns) {
-          volatile ErrorRecord* r = err;
-          if (r && !r->set) {
+          if (volatile ErrorRecord* r = claim_error_record(err)) {
             r->op = site.op;
             r->what = site.what;
             r->device = peers.device;
@@ -184,8 +197,7 @@ __device__ __forceinline__ bool wait_flag_impl(const uint32_t* p, uint32_t targe
             r->target = target;
             r->seen = v;
             r->waited_s = dt * 1e-9;
-            __threadfence_system();
-            r->set = 1;
+            publish_error_record(r);
           }
           local->gave_up = e;
           if (dead) {  // before the abort word: see runtime.cc, abort_call

@@ -22,10 +22,8 @@ struct Driver {
 
 template <typename F>
 void load_symbol(const char* name, F* fn, std::string* error) {
-  cudaDriverEntryPointQueryResult q;
-  void* p = nullptr;
-  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 13000, cudaEnableDefault, &q);
-  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !p) {
+  void* p = driver_entry(name);
+  if (!p) {
     *error += std::string(error->empty() ? "" : "; ") + name + " not found in the CUDA driver";
     return;
   }

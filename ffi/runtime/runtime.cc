@@ -1,5 +1,7 @@
 #include "runtime/runtime.h"
 
+#include <cuda.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -71,6 +73,60 @@ const char* op_name(int op) {
 }
 
 }  // namespace
+
+void* driver_entry(const char* name) {
+  cudaDriverEntryPointQueryResult q;
+  void* p = nullptr;
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 13000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+namespace {
+
+struct ContextApi {
+  decltype(&cuCtxGetCurrent) get = nullptr;
+  decltype(&cuCtxSetCurrent) set = nullptr;
+  decltype(&cuCtxGetDevice) device = nullptr;
+};
+const ContextApi& context_api() {
+  static const ContextApi api = [] {
+    ContextApi a;
+    a.get = reinterpret_cast<decltype(a.get)>(driver_entry("cuCtxGetCurrent"));
+    a.set = reinterpret_cast<decltype(a.set)>(driver_entry("cuCtxSetCurrent"));
+    a.device = reinterpret_cast<decltype(a.device)>(driver_entry("cuCtxGetDevice"));
+    if (!a.get || !a.set || !a.device) a = ContextApi{};
+    return a;
+  }();
+  return api;
+}
+
+}  // namespace
+
+DeviceGuard::DeviceGuard() {
+  const ContextApi& api = context_api();
+  CUcontext ctx = nullptr;
+  if (!api.get) cudaGetDevice(&saved_device_);
+  else if (api.get(&ctx) == CUDA_SUCCESS) saved_ = ctx;  // else none current (not initialised)
+}
+
+DeviceGuard::~DeviceGuard() {
+  const ContextApi& api = context_api();
+  if (api.set) api.set(static_cast<CUcontext>(saved_));  // null restores null
+  else if (saved_device_ >= 0) cudaSetDevice(saved_device_);
+}
+
+int context_device() {
+  const ContextApi& api = context_api();
+  CUcontext ctx = nullptr;
+  if (!api.get || api.get(&ctx) != CUDA_SUCCESS) return -2;
+  if (!ctx) return -1;
+  CUdevice d = -1;
+  return api.device(&d) == CUDA_SUCCESS ? (int)d : -2;
+}
 
 std::string device_runtime(int ordinal, DeviceRuntime** out) {
   Cell<DeviceRuntime>* c = cell(g_devices, ordinal);
@@ -196,7 +252,7 @@ void notice_errors() {
     std::lock_guard<std::mutex> lock(g_pending_mu);
     for (int i = 0; i < kMaxDevices; ++i) {
       volatile ErrorRecord& e = errors[i];
-      if (!e.set) continue;
+      if (e.set != 1) continue;  // 2: a kernel is still writing it (claim_error_record)
       g_pending.push_back(describe(e));
       if (found.empty()) found = g_pending.back();
       e.set = 0;
@@ -304,6 +360,10 @@ void abort_call(Workspace* ws, uint32_t index) {
 }
 
 std::string allocate_abort(Workspace* ws) {
+  // The first allocation of a workspace: with no context current it would create device 0's
+  // (R1), so the caller must have chosen a member's device.
+  if (context_device() == -1)
+    return "allocating a workspace's abort words with no CUDA device current on this thread";
   if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
                                     cudaHostAllocMapped | cudaHostAllocPortable))
     return cuda_error("cudaHostAlloc (abort words)", e);
@@ -320,8 +380,8 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
   p.device = ws->ordinals[i];
   // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
   p.abort = ws->abort;
-  cudaSetDevice(ws->ordinals[i]);
   cudaError_t e;
+  if ((e = cudaSetDevice(ws->ordinals[i]))) return cuda_error("cudaSetDevice", e);
   if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
     return cuda_error("cudaEventCreate (workspace)", e);
   if ((e = cudaMalloc(&p.stage[i], (n - 1) * block_bytes)))
@@ -350,8 +410,8 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
 
 void free_workspace(Workspace* ws) {
   for (int i = 0; i < ws->n; ++i) {
-    if (ws->ordinals[i] < 0) continue;  // another process's
-    cudaSetDevice(ws->ordinals[i]);
+    // Another process's member, or a device that cannot be made current: nothing to free here.
+    if (ws->ordinals[i] < 0 || cudaSetDevice(ws->ordinals[i]) != cudaSuccess) continue;
     const Peers& mine = ws->peers[i];
     for (void* p : {(void*)mine.stage[i], (void*)mine.flags[i], (void*)ws->part[i],
                     (void*)ws->acc[i], (void*)ws->gather[i]})
@@ -399,7 +459,7 @@ std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather
       if (!can)
         return "device " + std::to_string(ordinals[i]) + " cannot access device " +
                std::to_string(ordinals[j]) + " (no peer access)";
-      cudaSetDevice(ordinals[i]);
+      if (cudaError_t e = cudaSetDevice(ordinals[i])) return cuda_error("cudaSetDevice", e);
       cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
       else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);

@@ -40,7 +40,7 @@ struct DeviceRuntime {
   // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
   bool ce_kernels_loaded = false;
-  bool tile_kernels_loaded = false;  // the tile-fused GEMM + reduce-scatter (handlers/gemm_rs_tile.cc)
+  bool tile_kernels_loaded = false;  // the tile GEMM + reduce-scatter (handlers/gemm_rs_tile.cc)
   // The copy-engine reduce-scatter's GEMM-chunk-done events, one per (peer block, chunk),
   // created by its handler (handlers/gemm_rs_ce.cc).
   std::vector<cudaEvent_t> chunk_done;
@@ -195,14 +195,27 @@ void free_workspace(Workspace* ws);
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);
 
-// Keeps the current device of the calling thread across a scope that switches devices.
+// Keeps the calling thread's current CUDA context across a scope that switches devices: the
+// driver's current context (cuCtxGetCurrent), restored as it was. A thread that had none (the
+// Python thread that lowers a program and exports its workspaces) is left with none: restoring
+// a device instead (cudaSetDevice) would create that device's primary context, on device 0 in
+// every process whatever its GPU (issue 26, R1).
 class DeviceGuard {
  public:
-  DeviceGuard() { cudaGetDevice(&saved_); }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
+  DeviceGuard();
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int saved_ = 0;
+  void* saved_ = nullptr;  // CUcontext; null: none current
+  int saved_device_ = -1;  // only when the driver's entry points are missing: the device
 };
+
+// A driver API function through the runtime's entry-point query (no link against libcuda), or
+// null if the driver has none of that name.
+void* driver_entry(const char* name);
+// The device of the driver context current on this thread: -1 if none, -2 if it cannot tell.
+int context_device();
 
 }  // namespace jaxoverlap

@@ -47,8 +47,13 @@ std::string export_rank(const WsKey& key, int rank, std::string* handles) {
       ws->block_bytes = key.block_bytes;
       ws->spans = true;
       ws->local = rank;
+      // This member's device first: the abort words are the first allocation, and with no
+      // device chosen the lowering thread would create a context on device 0 (R1).
       DeviceGuard guard;
-      std::string e = allocate_abort(ws.get());
+      std::string e;
+      if (cudaError_t ce = cudaSetDevice(key.group[rank]))
+        e = std::string("cudaSetDevice: ") + cudaGetErrorString(ce);
+      if (e.empty()) e = allocate_abort(ws.get());
       if (e.empty()) e = allocate_member(ws.get(), rank, key.partials, key.gather);
       ws->peers[rank].dead = spanning_dead_word();
       if (e.empty() && !ws->peers[rank].dead) e = "could not allocate the host-mapped dead word";
@@ -62,7 +67,8 @@ std::string export_rank(const WsKey& key, int rank, std::string* handles) {
     void* buffers[3] = {mine.stage[rank], mine.flags[rank], mine.gather[rank]};
     handles->assign(kIpcBytes, '\0');
     DeviceGuard guard;
-    cudaSetDevice(slot->ordinals[rank]);
+    if (cudaError_t e = cudaSetDevice(slot->ordinals[rank]))
+      return std::string("cudaSetDevice: ") + cudaGetErrorString(e);
     for (int i = 0; i < 3; ++i) {
       if (!buffers[i]) continue;  // no gather staging: its handle stays all zero
       cudaIpcMemHandle_t h;
@@ -91,7 +97,8 @@ std::string import_peer(const WsKey& key, int peer, const std::string& handles) 
     char** targets[3] = {&mine.stage[peer], (char**)&mine.flags[peer], &mine.gather[peer]};
     const bool wanted[3] = {true, true, key.gather};
     DeviceGuard guard;
-    cudaSetDevice(ws->ordinals[rank]);
+    if (cudaError_t e = cudaSetDevice(ws->ordinals[rank]))
+      return std::string("cudaSetDevice: ") + cudaGetErrorString(e);
     std::string err;
     for (int i = 0; i < 3 && err.empty(); ++i) {
       cudaIpcMemHandle_t h;

@@ -1,5 +1,5 @@
-// Test driver of ffi/runtime/call_order.h (tests/test_call_order.py): reads "rank run tag" lines, the
-// calls of one workspace in the order the ranks' hosts issue them, and prints for each one
+// Test driver of ffi/runtime/call_order.h (tests/test_call_order.py): reads "rank run tag" lines,
+// the calls of one workspace in the order the ranks' hosts issue them, and prints for each one
 // "<same> <reported>": 1 if it is the same logical call as the first rank's call of its number,
 // and 1 if this call's line carries the report of a difference.
 #include <cstdlib>
