@@ -13,6 +13,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/ce.h"
@@ -209,6 +210,43 @@ double sum_blocks_check(int ordinal, int count, int64_t elems, int64_t stride, b
   return max_err / scale;
 }
 
+// Test-only (issue 26, R1): on a fresh thread, which has no CUDA context current, a DeviceGuard
+// round trip onto `ordinal`, then the export of a workspace (key `site`, 4 KiB blocks) whose
+// member in this process is `ordinal`, as the lowering thread runs it. Returns the device of the
+// thread's current context before, after the round trip and after the export (-1: none), the
+// export's error ('' if none) and the device the workspace's first allocation (its host-mapped
+// abort words) belongs to.
+nb::dict context_check(int ordinal, int64_t site) {
+  using namespace jaxoverlap;
+  int before = -2, after_guard = -2, after_export = -2, alloc_device = -2;
+  std::string error;
+  std::thread([&] {
+    before = context_device();
+    {
+      DeviceGuard guard;
+      if (cudaError_t e = cudaSetDevice(ordinal)) error = cudaGetErrorString(e);
+    }
+    after_guard = context_device();
+    const WsKey key{site, {ordinal, -1 - 1000}, 4096, false, false};
+    std::string handles;
+    if (error.empty()) error = export_rank(key, 0, &handles);
+    after_export = context_device();
+    with_workspace_slot(key, [&](std::unique_ptr<Workspace>& slot) -> std::string {
+      DeviceGuard guard;
+      cudaPointerAttributes attr{};
+      if (slot && slot->abort && cudaSetDevice(ordinal) == cudaSuccess &&
+          cudaPointerGetAttributes(&attr, slot->abort) == cudaSuccess)
+        alloc_device = attr.device;
+      cudaGetLastError();
+      return "";
+    });
+  }).join();
+  nb::dict d;
+  d["before"] = before, d["after_guard"] = after_guard, d["after_export"] = after_export;
+  d["error"] = error, d["alloc_device"] = alloc_device;
+  return d;
+}
+
 template <typename T>
 nb::capsule capsule(T* fn) {
   static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
@@ -252,6 +290,9 @@ NB_MODULE(_native, m) {
   m.def("_sum_blocks_check", &sum_blocks_check, nb::arg("ordinal"), nb::arg("count"),
         nb::arg("elems"), nb::arg("stride"), nb::arg("in_place") = false,
         "Test-only: relative error of the copy-engine handlers' sum of pushed blocks.");
+  m.def("_context_check", &context_check, nb::arg("ordinal"), nb::arg("site"),
+        "Test-only: a fresh thread's current CUDA context around a DeviceGuard round trip and a "
+        "workspace export (issue 26, R1).");
   m.def("gemm_plans", &gemm_plans, nb::arg("ordinal"),
         "The GEMM plans of a CUDA ordinal: shape, SM target, and which of cuBLASLt's candidates "
         "the timing chose (ms of the heuristic's first choice and of the kept one).");

@@ -1,6 +1,6 @@
-"""The call-order guard (ffi/runtime/call_order.h), checked without GPUs: the header is plain C++, compiled
-here into a small driver that replays the calls of one workspace as the ranks' hosts issue them.
-Also the ``call_tag`` attribute the lowering sends (jaxoverlap/fused.py ``_call_tag``).
+"""The call-order guard (ffi/runtime/call_order.h), checked without GPUs: the header is plain C++,
+compiled here into a small driver that replays the calls of one workspace as the ranks' hosts
+issue them. Also the ``call_tag`` attribute the lowering sends (jaxoverlap/fused.py ``_call_tag``).
 
 A "logical call" below is (launch, call site, iteration): what the ranks must pair. The guard sees
 (run id, call tag) per call; the property checked is that it flags call number k on a rank

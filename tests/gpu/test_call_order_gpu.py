@@ -1,7 +1,7 @@
 """Calls of one workspace issued in different orders on the ranks (issue 12 item 6): never wrong
 results, never a hang -- a call paired with a different call on a peer is given up on every rank
-(NaN) and reported (ffi/runtime/call_order.h). Each case runs in its own process: a case that breaks the
-order leaves its workspace's ranks out of step for good."""
+(NaN) and reported (ffi/runtime/call_order.h). Each case runs in its own process: a case that
+breaks the order leaves its workspace's ranks out of step for good."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The GEMM runner's algorithm search (ffi/runtime/gemm.h), on one GPU: candidates are timed, the choice
-is published in the shared cache, a process that finds a choice there adopts it (so ranks and
+"""The GEMM runner's algorithm search (ffi/runtime/gemm.h), on one GPU: candidates are timed, the
+choice is published in the shared cache, a process that finds a choice there adopts it (so ranks and
 reruns compute the same bits), and JAXOVERLAP_GEMM_SEARCH=0 turns the search off. Each step in a
 fresh process: plans live as long as the process."""
 

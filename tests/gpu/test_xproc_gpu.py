@@ -76,6 +76,7 @@ def _results(out):
         "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
         "all_gather_matmul_k_3d",
         "gemm_search",  # the plans those calls made: algorithms timed, none failed
+        "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v1)
     ],
 )
 def test_ops_across_processes(gpus_any, op, xproc_ops):

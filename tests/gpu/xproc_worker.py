@@ -299,8 +299,8 @@ def run_graphs(mesh, arr, process, dump, executions=5):
 
 
 def report_gemm_search(gpu):
-    """The GEMM plans the fused calls made (ffi/runtime/gemm.h): their algorithms chosen by timing on
-    the partition streams, or adopted from the shared cache; a note is a failed search."""
+    """The GEMM plans the fused calls made (ffi/runtime/gemm.h): their algorithms chosen by timing
+    on the partition streams, or adopted from the shared cache; a note is a failed search."""
     from jaxoverlap import runtime
 
     plans = runtime.native().gemm_plans(gpu)
@@ -326,7 +326,7 @@ def op_cases(mesh, arr, timeout_s):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused, fused_cols
+    from jaxoverlap import Config, fused, fused_cols, tma
 
     rng = np.random.default_rng(0)
 
@@ -385,6 +385,12 @@ def op_cases(mesh, arr, timeout_s):
         (spec3, P("tp", None)),
         P(None, "tp"),
     )
+    # The standalone TMA reduce-scatter (jaxoverlap_rs_v1, the bandwidth benchmark's): each rank's
+    # [M, N] columns of xr summed over the group, rank r keeping row block r. Drawn last, listed
+    # last: the other cases' inputs stay those of earlier runs, cases[0] the reduce-scatter.
+    xr = rand(M, 2 * N)
+    tma_rs = op(lambda a: tma.tma_reduce_scatter(a, "tp", comm_sms=16), (row[0],), row[1])
+    ref_tma = xr[:, :N].astype(np.float32) + xr[:, N:].astype(np.float32)
     return [
         ("matmul_reduce_scatter", rs(cfg), args, ref, fused.GEMM_RS_TARGET),
         ("matmul_reduce_scatter_ce", rs(ce), args, ref, fused.GEMM_RS_CE_TARGET),
@@ -415,6 +421,7 @@ def op_cases(mesh, arr, timeout_s):
             fused_cols.AG_K_TARGET,
             (x3, w),
         ),
+        ("tma_reduce_scatter", tma_rs, (arr(xr, row[0]),), ref_tma, tma.RS_TARGET),
     ]
 
 

@@ -18,7 +18,8 @@ F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,co
    "-I$CUBLAS_ROOT/include" ${FLAGS:-})
 for d in $CUTLASS_INC; do F+=("-I$d"); done
 srcs=(ffi/kernels/tile_rs_bf16_wrow.cu ffi/kernels/tile_rs_bf16_wcol.cu ffi/kernels/tile_rs.cu
-      ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/runtime/gemm.cc ffi/runtime/capture.cc tools/probes/tile_rs_probe.cu)
+      ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/runtime/gemm.cc ffi/runtime/capture.cc
+      tools/probes/tile_rs_probe.cu)
 pids=()
 for s in "${srcs[@]}"; do
   nvcc "${F[@]}" -x cu -c "$s" -o "$OBJ/$(basename "$s").o" & pids+=($!)

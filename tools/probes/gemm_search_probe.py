@@ -1,5 +1,5 @@
-"""One-GPU probe: what choosing cuBLASLt's algorithm by timing (ffi/runtime/gemm.cc) buys the GEMM work
-of a fused tp = 2 reduce-scatter, against XLA's own (autotuned) GEMM of the whole shape.
+"""One-GPU probe: what choosing cuBLASLt's algorithm by timing (ffi/runtime/gemm.cc) buys the GEMM
+work of a fused tp = 2 reduce-scatter, against XLA's own (autotuned) GEMM of the whole shape.
 
 For each M x K_local x N: XLA's jnp.dot [M, K] @ [K, N] (median of interleaved samples); the
 runner's whole GEMM (whole device) with the heuristic's first choice and with the best of its
