@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -83,3 +88,23 @@ __all__ = [
     "sharded",
     "assert_close",
 ]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def native_driver(tmp_path_factory, source):
+    """tests/native/<source>, plain C++ with ffi/ on the include path, compiled by the system
+    compiler ($CXX, c++ or g++) with warnings as errors: the executable's path. Skips the test
+    without a compiler."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        pytest.skip(f"no C++ compiler to build tests/native/{source}")
+    exe = tmp_path_factory.mktemp(source.split(".")[0]) / "driver"
+    src = os.path.join(ROOT, "tests", "native", source)
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "ffi"), src,
+         "-o", str(exe)],
+        check=True,
+    )  # fmt: skip
+    return exe

@@ -9,15 +9,14 @@ exactly when that rank's logical call differs from the one the first rank issued
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import shutil
 import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import native_driver
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -25,21 +24,10 @@ from jax.sharding import PartitionSpec as P
 import jaxoverlap
 from jaxoverlap import Config, fused
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the call-order driver")
-    exe = tmp_path_factory.mktemp("call_order") / "driver"
-    src = os.path.join(ROOT, "tests", "native", "call_order_driver.cc")
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "ffi"), src,
-         "-o", str(exe)],
-        check=True,
-    )  # fmt: skip
+    exe = native_driver(tmp_path_factory, "call_order_driver.cc")
 
     def run(n, calls):
         """calls: [(rank, run, tag)] in host order -> [(same, reported)] per call."""

@@ -7,13 +7,11 @@ returning success, and the releases (lock, capture scope, device) in reverse."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
+from harness import native_driver
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPEN = ["save context", "set_device", "capture scope", "device_runtime", "lock"]
 RELEASE = ["unlock", "end capture scope", "restore context"]
 LAUNCHES = ("preload", "ce_setup", "partition", "tile_setup", "fork", "launch", "join")
@@ -21,16 +19,7 @@ LAUNCHES = ("preload", "ce_setup", "partition", "tile_setup", "fork", "launch", 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the FusedCall test driver (tests/native)")
-    exe = tmp_path_factory.mktemp("fused_call") / "driver"
-    src = os.path.join(ROOT, "tests", "native", "fused_call_test.cc")
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "ffi"), src,
-         "-o", str(exe)],
-        check=True,
-    )  # fmt: skip
+    exe = native_driver(tmp_path_factory, "fused_call_test.cc")
 
     def go(scenario):
         """-> ({device: [events]}, {device: (code, message)})"""
@@ -51,6 +40,14 @@ def run(tmp_path_factory):
 
 def first(events, prefix):
     return next(i for i, e in enumerate(events) if e.startswith(prefix))
+
+
+def single(run, scenario, result=(0, ""), device=0):
+    """The events of `scenario`'s one call (on `device`), held to the protocol, and its result."""
+    events, results = run(scenario)
+    assert results == {device: result}, results
+    check_protocol(events[device])
+    return events[device]
 
 
 def check_protocol(events):
@@ -103,10 +100,7 @@ def test_two_processes_one_device(run):
     """This process holds rank 1; rank 0 is global device 7 of another process (-1 - 7 in the
     group table): the workspace is asked for with that group, the copy engine's streams are XLA's
     (GEMMs) and the copy stream (pushes)."""
-    events, results = run("two_processes_one_device")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (0, "")}
+    ev = single(run, "two_processes_one_device")
     assert "workspace site=42 group=-8,0 rank=1 bytes=4096 partials=1 gather=0" in ev
     assert ev.index("preload") < ev.index("ce_setup") < first(ev, "error_record")
     assert "fork stream=100 streams=100/300 gemm=0 uses=2" in ev
@@ -115,52 +109,40 @@ def test_two_processes_one_device(run):
 
 
 def test_tile_schedule_never_forks_a_stream(run):
-    events, results = run("tile")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (0, "")}
+    ev = single(run, "tile")
     assert ev.index("preload") < ev.index("tile_setup")
     assert "fork stream=100 streams=none gemm=0 uses=4" in ev
     assert "join stream=100 streams=none gemm=0 rank=0 out=10" in ev
 
 
-def test_given_up(run):
-    """Issued out of order: begin_call gives the call up on every rank; it launches nothing but
-    close_call with its output poisoned, and returns success."""
-    events, results = run("given_up")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (0, "")}
-    i = first(ev, "begin_call")
-    assert ev[i + 1 : first(ev, "handler returns")] == [
+@pytest.mark.parametrize(
+    "scenario, result, poison",
+    [
+        # Issued out of order: given up on every rank, the output poisoned, success.
+        ("given_up", (0, ""), "10"),
+        # The call chosen to report an earlier failure: closed unpoisoned, the report the error.
+        (
+            "refused",
+            (3, "jaxoverlap.test_op: an earlier fused call failed: op X timed out"),
+            "none",
+        ),
+    ],
+)
+def test_begin_call_answers(run, scenario, result, poison):
+    """begin_call's answer other than "run": nothing launched but close_call."""
+    ev = single(run, scenario, result)
+    assert ev[first(ev, "begin_call") + 1 : first(ev, "handler returns")] == [
         "preload",
-        "close_call stream=100 streams=none rank=0 poison=10",
+        f"close_call stream=100 streams=none rank=0 poison={poison}",
     ]
     assert not any(e.startswith(("fork", "launch", "join", "fail_call", "schedule")) for e in ev)
-
-
-def test_refused(run):
-    """The call chosen to report an earlier failure: closed without poison, the report is the
-    error."""
-    events, results = run("refused")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (3, "jaxoverlap.test_op: an earlier fused call failed: op X timed out")}
-    i = first(ev, "begin_call")
-    assert ev[i + 1 : first(ev, "handler returns")] == [
-        "preload",
-        "close_call stream=100 streams=none rank=0 poison=none",
-    ]
 
 
 def test_failure_after_begin_call(run):
     """A CUDA call of the schedule failed after launches: the all-reduce's copy stream is joined
     into the partition, fail_call gets the op's name, the partition's streams and the poisoned
     output, and the handler returns success."""
-    events, results = run("failure_after_begin_call")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (0, "")}
+    ev = single(run, "failure_after_begin_call")
     msg = "jaxoverlap.test_op: cudaMemcpyAsync(dst, src): invalid argument"
     tail = ev[first(ev, "launch kernel") + 1 : first(ev, "handler returns")]
     assert tail == [
@@ -171,10 +153,7 @@ def test_failure_after_begin_call(run):
 
 
 def test_failure_in_start_joins_only_streams_granted(run):
-    events, results = run("failure_in_start")
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (0, "")}
+    ev = single(run, "failure_in_start")
     assert ev[first(ev, "partition") + 1].startswith(
         "fail_call stream=100 streams=none rank=0 index=7 poison=10 "
         "msg=jaxoverlap.test_op: green contexts unavailable"
@@ -184,10 +163,7 @@ def test_failure_in_start_joins_only_streams_granted(run):
 def test_injected_failure(run):
     """stall_rank = -2 - rank (fused._failed_rank_for_tests): that rank fails after begin_call,
     with the copy engine's streams granted by then."""
-    events, results = run("injected_failure")
-    ev = events[1]
-    check_protocol(ev)
-    assert results == {1: (0, "")}
+    ev = single(run, "injected_failure", device=1)
     assert ev[first(ev, "ce_setup") + 1] == (
         "fail_call stream=101 streams=101/301 rank=1 index=7 poison=11 msg=jaxoverlap.test_op: "
         "test-only failure injected on this rank after begin_call"
@@ -202,10 +178,7 @@ def test_injected_failure(run):
     ],
 )
 def test_open_fails_before_begin_call(run, scenario, code, msg, last):
-    events, results = run(scenario)
-    ev = events[0]
-    check_protocol(ev)
-    assert results == {0: (code, msg)}
+    ev = single(run, scenario, (code, msg))
     assert not any(e.startswith("begin_call") for e in ev)
     assert ev[first(ev, "handler returns") - 1].startswith(last), ev
 

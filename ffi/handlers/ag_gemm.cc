@@ -191,14 +191,14 @@ ffi::Error AgGemmKeepImpl(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace jaxoverlap
 
 // x [m, ..., K] (along K: [..., K / n]), w [K, N] -> out [n * m, ..., N] (along K: [..., N]),
-// then the variant's second result, and w_colmajor (w stored column-major).
-#define JAXOVERLAP_AG_TARGET(symbol, impl, ...)                       \
-  JAXOVERLAP_FUSED_TARGET(symbol, impl, .Arg<xla::ffi::AnyBuffer>()   \
-                                            .Arg<xla::ffi::AnyBuffer>() \
-                                            .Ret<xla::ffi::AnyBuffer>() __VA_ARGS__ \
-                                            .Attr<int64_t>("w_colmajor"))
-JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl);
-JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
-                     .Ret<xla::ffi::AnyBuffer>());  // gathered x [n * m, ..., K]
-JAXOVERLAP_AG_TARGET(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
-                     .Ret<xla::ffi::AnyBuffer>());  // f32 scratch [rows, N]
+// the variant's second result; w_colmajor: w stored column-major.
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl,
+                        JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor"));
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
+                        JAXOVERLAP_GEMM_BUFFERS
+                            .Ret<xla::ffi::AnyBuffer>()  // gathered x [n * m, ..., K]
+                            .Attr<int64_t>("w_colmajor"));
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
+                        JAXOVERLAP_GEMM_BUFFERS
+                            .Ret<xla::ffi::AnyBuffer>()  // f32 scratch [rows, N]
+                            .Attr<int64_t>("w_colmajor"));

@@ -142,14 +142,13 @@ ffi::Error DgradRsWgradAccImpl(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuff
 
 // ct [M, ..., N], w.T [N, K], g [M, ..., K] (, e [M, ..., K]) -> dx [M / n, ..., K], dW [K, N],
 // scratch [M, K]; w_colmajor: w.T stored column-major.
-#define JAXOVERLAP_DGRAD_TARGET(symbol, impl, ...)                                      \
-  JAXOVERLAP_FUSED_TARGET(symbol, impl, .Arg<xla::ffi::AnyBuffer>()                     \
-                                            .Arg<xla::ffi::AnyBuffer>()                 \
-                                            .Arg<xla::ffi::AnyBuffer>() __VA_ARGS__     \
-                                            .Ret<xla::ffi::AnyBuffer>()                 \
-                                            .Ret<xla::ffi::AnyBuffer>()                 \
-                                            .Ret<xla::ffi::AnyBuffer>()                 \
-                                            .Attr<int64_t>("w_colmajor"))
+#define JAXOVERLAP_DGRAD_TARGET(symbol, impl, ...)                                              \
+  JAXOVERLAP_FUSED_TARGET(                                                                      \
+      symbol, impl,                                                                             \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()         \
+          __VA_ARGS__.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()                     \
+          .Ret<xla::ffi::AnyBuffer>()                                                           \
+          .Attr<int64_t>("w_colmajor"))
 JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradV1, jaxoverlap::DgradRsWgradImpl);
 JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradAccV1, jaxoverlap::DgradRsWgradAccImpl,
-                        .Arg<xla::ffi::AnyBuffer>());  // e [M, ..., K]
+                        .Arg<xla::ffi::AnyBuffer>());  // e

@@ -86,49 +86,44 @@ struct Output {
   int64_t bytes2 = 0;
 };
 
-// Preloads our kernels on this device once (lazy module loading can deadlock a spinning
-// consumer against a producer that is not loaded yet).
-inline std::string preload(DeviceRuntime* dev) {
-  if (dev->kernels_loaded) return "";
-  return outside_capture("loading the communication kernels", [dev]() -> std::string {
-    if (cudaError_t e = preload_comm_kernels())
-      return std::string("preloading the communication kernels failed: ") + cudaGetErrorString(e);
-    dev->kernels_loaded = true;
+// Loads a device's kernels once (`*loaded`): a module loaded lazily while a kernel of ours spins
+// could wait for it, and a spinning consumer for a producer not loaded yet (DESIGN.md decision 5).
+inline std::string load_once(bool* loaded, const char* what, cudaError_t (*load)()) {
+  if (*loaded) return "";
+  return outside_capture(what, [=]() -> std::string {
+    if (cudaError_t e = load()) return std::string(what) + " failed: " + cudaGetErrorString(e);
+    *loaded = true;
     return "";
   });
+}
+
+// Our communication kernels (every call: release, finish).
+inline std::string preload(DeviceRuntime* dev) {
+  return load_once(&dev->kernels_loaded, "loading the communication kernels",
+                   preload_comm_kernels);
 }
 
 // For the handlers whose pushes ride on the copy engine, once per device, under the device's
-// handler lock: the copy stream (highest priority, so its one-thread signal kernels are scheduled
-// ahead of queued GEMM blocks) and the copy-engine protocol kernels.
+// handler lock: the copy-engine protocol kernels and the copy stream (highest priority, so its
+// one-thread signal kernels are scheduled ahead of queued GEMM blocks).
 inline std::string ce_setup(DeviceRuntime* dev) {
-  if (dev->ce_kernels_loaded && dev->copy) return "";
-  return outside_capture("setting up the copy engine's stream and kernels", [dev]() -> std::string {
-    if (!dev->ce_kernels_loaded) {
-      if (cudaError_t e = preload_ce_kernels())
-        return std::string("preloading the copy-engine kernels failed: ") + cudaGetErrorString(e);
-      dev->ce_kernels_loaded = true;
-    }
-    if (!dev->copy) {
-      int least = 0, greatest = 0;
-      cudaDeviceGetStreamPriorityRange(&least, &greatest);
-      if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
-        return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
-    }
+  if (std::string e = load_once(&dev->ce_kernels_loaded, "loading the copy-engine kernels",
+                                preload_ce_kernels);
+      !e.empty() || dev->copy)
+    return e;
+  return outside_capture("creating the copy stream", [dev]() -> std::string {
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (cudaError_t e = cudaStreamCreateWithPriority(&dev->copy, cudaStreamNonBlocking, greatest))
+      return std::string("creating the copy stream failed: ") + cudaGetErrorString(e);
     return "";
   });
 }
 
-// The tile kernels of this device (handlers/gemm_rs_tile.cc), loaded once (a module loaded while
-// a kernel of ours spins could wait for it: DESIGN.md decision 5) with their shared-memory size.
+// The tile-fused GEMM's kernels (handlers/gemm_rs_tile.cc), with their shared-memory size.
 inline std::string tile_setup(DeviceRuntime* dev) {
-  if (dev->tile_kernels_loaded) return "";
-  return outside_capture("loading the tile-fused GEMM kernels", [dev]() -> std::string {
-    if (cudaError_t e = preload_tile_kernels())
-      return std::string("loading the tile-fused GEMM kernels failed: ") + cudaGetErrorString(e);
-    dev->tile_kernels_loaded = true;
-    return "";
-  });
+  return load_once(&dev->tile_kernels_loaded, "loading the tile-fused GEMM kernels",
+                   preload_tile_kernels);
 }
 
 // Ends a call that launches nothing more on this rank but must still count as one call of `ws`
@@ -345,3 +340,7 @@ struct Entry<Impl> {
       jaxoverlap::bind_common_attrs(xla::ffi::Ffi::Bind()                         \
                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
                                         .Ctx<xla::ffi::DeviceOrdinal>() __VA_ARGS__))
+
+// The buffers of the fused GEMMs over rows: x [..., K], w [K, N] -> out (then the variant's own).
+#define JAXOVERLAP_GEMM_BUFFERS \
+  .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()

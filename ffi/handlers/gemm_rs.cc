@@ -194,13 +194,11 @@ ffi::Error GemmRs(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace
 }  // namespace jaxoverlap
 
-// Both targets: x [..., K], w [K, N] -> out ([rows / n, ..., N], or the sum [..., N]).
-#define JAXOVERLAP_GEMM_RS_TARGET(symbol, all_reduce)                               \
-  JAXOVERLAP_FUSED_TARGET(symbol, jaxoverlap::GemmRs<all_reduce>,                  \
-                          .Arg<xla::ffi::AnyBuffer>()    /* x [..., K] */           \
-                          .Arg<xla::ffi::AnyBuffer>()    /* w [K, N] */             \
-                          .Ret<xla::ffi::AnyBuffer>()    /* out */                  \
-                          .Attr<int64_t>("w_colmajor")   /* w stored column-major */ \
-                          .Attr<int64_t>("x_colmajor"))  /* x stored column-major */
-JAXOVERLAP_GEMM_RS_TARGET(JaxoverlapGemmRsV1, false);
-JAXOVERLAP_GEMM_RS_TARGET(JaxoverlapGemmArV1, true);
+// Both targets: x [..., K], w [K, N] -> out ([rows / n, ..., N], or the sum [..., N]);
+// w_colmajor, x_colmajor: w, x stored column-major.
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsV1, jaxoverlap::GemmRs<false>,
+                        JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
+                            .Attr<int64_t>("x_colmajor"));
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmArV1, jaxoverlap::GemmRs<true>,
+                        JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
+                            .Attr<int64_t>("x_colmajor"));

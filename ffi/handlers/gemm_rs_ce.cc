@@ -128,8 +128,6 @@ ffi::Error GemmRsCe(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace
 }  // namespace jaxoverlap
 
+// x [..., K], w [K, N] -> out [rows / n, ..., N]; w_colmajor: w stored column-major.
 JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsCeV1, jaxoverlap::GemmRsCe,
-                        .Arg<xla::ffi::AnyBuffer>()      // x [..., K]
-                        .Arg<xla::ffi::AnyBuffer>()      // w [K, N]
-                        .Ret<xla::ffi::AnyBuffer>()      // out [rows / n, ..., N]
-                        .Attr<int64_t>("w_colmajor"));  // w stored column-major
+                        JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor"));

@@ -75,9 +75,8 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace
 }  // namespace jaxoverlap
 
+// x [..., K], w [K, N] -> out [rows / n, ..., N]; w_colmajor: w stored column-major; swizzle:
+// cluster rows per band.
 JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsTileV1, jaxoverlap::GemmRsTile,
-                        .Arg<xla::ffi::AnyBuffer>()    // x [..., K]
-                        .Arg<xla::ffi::AnyBuffer>()    // w [K, N]
-                        .Ret<xla::ffi::AnyBuffer>()    // out [rows / n, ..., N]
-                        .Attr<int64_t>("w_colmajor")   // w stored column-major
-                        .Attr<int64_t>("swizzle"));    // cluster rows per band
+                        JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
+                            .Attr<int64_t>("swizzle"));
