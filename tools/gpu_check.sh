@@ -110,11 +110,13 @@ if ((TESTS)); then
       "$PY" -m pytest tests/gpu -x -q -p no:cacheprovider "${TEST_TIMEOUT[@]}"
   else
     # One GPU: only what runs there -- two processes sharing it (tests/gpu/test_xproc_gpu.py:
-    # every fused op and the training path with two ranks, time-sliced; no speed).
+    # every fused op and the training path with two ranks, time-sliced; no speed), the GEMM
+    # search, and the export's thread left without a CUDA context (test_device_context_gpu.py).
     echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
     step gpu-tests-one-gpu 300 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py -q \
-      -p no:cacheprovider -rA -k "${GPU_CHECK_TESTS_K:-not bitwise}"
+      "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py \
+      tests/gpu/test_device_context_gpu.py -q -p no:cacheprovider -rA \
+      -k "${GPU_CHECK_TESTS_K:-not bitwise}"
   fi
 fi
 if ((GEMM_PROBE)); then
