@@ -15,7 +15,8 @@
 # tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's two
 # ranks on one GPU against an f32 reference, and its GEMM time against cuBLASLt's.
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
-# GPU_CHECK_TESTS_K: the one-GPU tests' -k expression (default "not bitwise").
+# GPU_CHECK_TESTS_K: the one-GPU tests' -k expression (default "not bitwise and not
+# other_shapes"; "other_shapes" alone: every op again at a second set of shapes).
 #
 # Run from a copy of the repository that carries jaxoverlap/_native*.so (built on the CPU
 # machine). Logs, benchmark JSON/PNG/tables go to $OUT (else ./gpu_logs). Every step runs
@@ -116,7 +117,7 @@ if ((TESTS)); then
     step gpu-tests-one-gpu 300 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
       "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py \
       tests/gpu/test_device_context_gpu.py -q -p no:cacheprovider -rA \
-      -k "${GPU_CHECK_TESTS_K:-not bitwise}"
+      -k "${GPU_CHECK_TESTS_K:-not bitwise and not other_shapes}"
   fi
 fi
 if ((GEMM_PROBE)); then

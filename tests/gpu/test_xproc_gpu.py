@@ -58,27 +58,27 @@ def _run(mode, *, timeout=240, env=(), setup=None):
     return outs
 
 
+OPS = [
+    "matmul_reduce_scatter",
+    "all_gather_matmul",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter_ce",
+    "matmul_reduce_scatter_tile",  # Config(schedule="tile"): the epilogue communicates
+    "matmul_reduce_scatter_tile_3d",  # ... over a middle dimension
+    "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
+    "matmul_reduce_scatter_cols_3d",
+    "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
+    "all_gather_matmul_k_3d",
+    "gemm_search",  # the plans those calls made: algorithms timed, none failed
+    "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v1)
+]
+
+
 def _results(out):
     return {ln.split(" ")[0]: ln for ln in out.splitlines() if " OK" in ln or " FAILED" in ln}
 
 
-@pytest.mark.parametrize(
-    "op",
-    [
-        "matmul_reduce_scatter",
-        "all_gather_matmul",
-        "matmul_all_reduce",
-        "matmul_reduce_scatter_ce",
-        "matmul_reduce_scatter_tile",  # Config(schedule="tile"): the epilogue communicates
-        "matmul_reduce_scatter_tile_3d",  # ... over a middle dimension
-        "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
-        "matmul_reduce_scatter_cols_3d",
-        "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
-        "all_gather_matmul_k_3d",
-        "gemm_search",  # the plans those calls made: algorithms timed, none failed
-        "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v1)
-    ],
-)
+@pytest.mark.parametrize("op", OPS)
 def test_ops_across_processes(gpus_any, op, xproc_ops):
     for rank, out in enumerate(xproc_ops):
         line = _results(out).get(op)
@@ -88,6 +88,20 @@ def test_ops_across_processes(gpus_any, op, xproc_ops):
 @pytest.fixture(scope="module")
 def xproc_ops():
     return _run("ops")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_ops_across_processes_other_shapes(gpus_any, op, xproc_ops_other):
+    """Every op and variant again at a second set of shapes, unlike the tests' own
+    (xproc_worker.SHAPES["other"]: M, K, N = 1536, 1280, 768)."""
+    for rank, out in enumerate(xproc_ops_other):
+        line = _results(out).get(op)
+        assert line and " OK" in line, f"process {rank}: {line}\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def xproc_ops_other():
+    return _run("ops", env={"XPROC_SHAPES": "other"})
 
 
 @pytest.mark.parametrize("case", ["matmul_reduce_scatter", "matmul_reduce_scatter_tile"])
