@@ -47,7 +47,7 @@ for a in "$@"; do
     --stress) STRESS=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
     --tile-probe) TILE_PROBE=1 ;;
-    -h | --help) sed -n 2,21p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,22p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
