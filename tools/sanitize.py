@@ -29,7 +29,10 @@ WORKER = os.path.join(ROOT, "tests", "gpu", "xproc_worker.py")
 EXCLUDE = os.path.join(ROOT, "tools", "sanitizer_exclude.txt")
 SANITIZER_FLAGS = {
     "memcheck": ["--leak-check", "no"],
-    "racecheck": ["--racecheck-report", "hazard"],
+    # cuBLASLt's kernels are not instrumented under racecheck (--kernel-name-exclude): their
+    # shared memory is ordered by mbarriers, which racecheck does not model (run 31: every
+    # hazard was in them), and instrumenting them makes a run of the ops take ~10 minutes.
+    "racecheck": ["--racecheck-report", "hazard", "--kernel-name-exclude", "kns=nvjet"],
     "synccheck": [],
     "initcheck": [],
 }
@@ -73,8 +76,9 @@ def findings(log_text):
             continue
         if kind is None:
             continue
-        if body.startswith("at "):
-            found.append((kind, _name(body[3:])))
+        at = re.search(r"(?:^|\s)at (.+?\+0x)", body)  # "at K+0x..", "Read Thread (..) at K+0x.."
+        if at:
+            found.append((kind, _name(at.group(1))))
             kind = None
         elif body.startswith("Host Frame:") and kind.startswith("Program hit"):
             found.append((kind, body[len("Host Frame:") :].strip()))
