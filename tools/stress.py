@@ -43,12 +43,21 @@ def main(argv=None) -> int:
     p.add_argument("--processes", type=int, default=0, help="a group over this many processes")
     p.add_argument("--timeout-s", type=float, default=60.0, help="Config.timeout_s (processes)")
     p.add_argument("--deadline-s", type=float, default=480.0, help="whole run (processes)")
+    p.add_argument(
+        "--memory",
+        metavar="FRESH,SIZES",
+        help="instead: device memory over FRESH new jit call sites of 4 shapes, then SIZES call "
+        "sites of distinct batch sizes (two processes; issue 25 item 4)",
+    )
     a = p.parse_args(argv)
     if a.processes:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import stress_xproc
 
         backend = "xla" if a.cpu_smoke else "fused"
+        if a.memory:
+            memory = tuple(int(v) for v in a.memory.split(","))
+            return stress_xproc.run(a.processes, 0, 0, 0, a.deadline_s, memory=memory)
         return stress_xproc.run(
             a.processes, a.calls or (200 if a.cpu_smoke else 10_000), a.steps if a.steps != 25
             else 10, a.timeout_s, a.deadline_s, backend=backend,

@@ -185,7 +185,74 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     return 0 if ok else 1
 
 
-def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused"):
+def memory_worker(process, nproc, port, gpu, fresh, sizes):
+    """Issue 25 item 4: device memory as call sites multiply. Phase 1: ``fresh`` new jit
+    wrappers (each lowered and compiled anew) over 4 shapes of the fused reduce-scatter: memory
+    must stay flat after the first of each shape. Phase 2: ``sizes`` call sites, each a new
+    batch size (rows 256 * i): how memory grows with the number of distinct shapes."""
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=process,
+        local_device_ids=[gpu],
+        initialization_timeout=120,
+    )
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import runtime
+
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    cfg = jaxoverlap.Config(backend="fused", timeout_s=60.0)
+    spec_x, spec_w, spec_o = P(None, "tp"), P("tp", None), P("tp", None)
+
+    def site(m, k, n):
+        x = jax.device_put(jnp.ones((m, k), jnp.bfloat16), NamedSharding(mesh, spec_x))
+        w = jax.device_put(jnp.ones((k, n), jnp.bfloat16), NamedSharding(mesh, spec_w))
+        f = jax.jit(
+            jax.shard_map(
+                lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", config=cfg),
+                mesh=mesh,
+                in_specs=(spec_x, spec_w),
+                out_specs=spec_o,
+            )
+        )
+        jax.block_until_ready(f(x, w))
+
+    shapes = [(1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 1024), (4096, 512, 512)]
+    for s in shapes:
+        site(*s)
+    mem0 = runtime.memory_in_use(gpu)
+    t0 = time.time()
+    for i in range(fresh):
+        site(*shapes[i % len(shapes)])
+    mem1 = runtime.memory_in_use(gpu)
+    print(f"process {process}: {fresh} fresh call sites over 4 shapes in {time.time() - t0:.0f} s: "
+          f"memory {mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    t0, marks = time.time(), []
+    for i in range(1, sizes + 1):
+        site(256 * i, 512, 512)
+        if i % max(1, sizes // 8) == 0 or i == sizes:
+            marks.append((i, runtime.memory_in_use(gpu)))
+    mem2 = marks[-1][1]
+    growth = " ".join(f"{i}:{(m - mem1) / 2**20:.0f}" for i, m in marks)
+    print(f"process {process}: {sizes} batch sizes (rows 256..{256 * sizes}, K 512, N 512) in "
+          f"{time.time() - t0:.0f} s: memory grew {(mem2 - mem1) / 2**20:.0f} MiB "
+          f"(call sites:MiB {growth})", flush=True)  # fmt: skip
+    jaxoverlap.check_errors()
+    flat = mem1 - mem0 < 64 * 2**20
+    print(f"MEMORY process {process}: fresh call sites {'flat' if flat else 'GREW'}", flush=True)
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("memory/done", 120_000)
+    return 0 if flat else 1
+
+
+def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None):
     """Starts ``nproc`` workers (GPU ``p % gpus``) and waits; 0 when all passed."""
     import subprocess as sp
 
@@ -235,15 +302,19 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused"):
             print(f"STRESS-XPROC: FAILED (past {deadline_s:.0f} s)", flush=True)
             return 1
     ok = all(rc == 0 for rc in rcs)
-    print("STRESS-XPROC:", "PASSED" if ok else f"FAILED (exit codes {rcs})", flush=True)
+    name = "STRESS-XPROC" if memory is None else "MEMORY"
+    print(f"{name}:", "PASSED" if ok else f"FAILED (exit codes {rcs})", flush=True)
     return 0 if ok else 1
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+if __name__ == "__main__" and sys.argv[1:2] in (["--worker"], ["--memory-worker"]):
     a = sys.argv[2:]
     rc = 1
     try:
-        rc = worker(*map(int, a[:6]), float(a[6]), a[7])
+        if sys.argv[1] == "--worker":
+            rc = worker(*map(int, a[:6]), float(a[6]), a[7])
+        else:
+            rc = memory_worker(*map(int, a[:6]))
     finally:
         sys.stdout.flush()
         os._exit(rc)
