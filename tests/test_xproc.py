@@ -156,7 +156,7 @@ def spanning(monkeypatch):
     monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
     monkeypatch.setattr(runtime, "peer_link", lambda a, b: {"access": True, "native_atomics": True})
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
 
     def as_process(p):
         native = FakeNative(p)
@@ -324,7 +324,7 @@ def test_tuned_entry_is_agreed_across_processes(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     mine = {"choice": "xla", "chunks": None, "comm_sms": None}
     theirs = {"choice": "fused", "chunks": 4, "comm_sms": 8}
-    monkeypatch.setattr(tune, "lookup", lambda key, path=None: mine)
+    monkeypatch.setattr(fused.cache, "lookup", lambda key, path=None: mine)
     key = tune.Key("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2, "NVIDIA H200")
     kv.store[f"{xproc.PREFIX}/agree/tuned/" + xproc.exchange_key((), (key.id(),))] = json.dumps(
         theirs

@@ -326,7 +326,8 @@ def op_cases(mesh, arr, timeout_s):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused, fused_cols
+    from jaxoverlap import Config, fused
+    from jaxoverlap.fused import last_dim as fused_cols
 
     rng = np.random.default_rng(0)
 
