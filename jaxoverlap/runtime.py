@@ -69,6 +69,8 @@ def native():
         if _native is None and _load_error is None:
             err = _preload_cublaslt()
             try:
+                # Lazy by design (nothing native at `import jaxoverlap`); the one import of a
+                # jaxoverlap module inside a function (tests/test_structure.py allows it).
                 _native = importlib.import_module("jaxoverlap._native")
             except ImportError as e:
                 _load_error = (
