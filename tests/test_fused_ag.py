@@ -41,7 +41,7 @@ def test_reasons(native_ok, monkeypatch):
     # any dimension but K: major-most in the custom call's layout ([B, S, D] split over S)
     assert _reason((4, 384, 512), (512, 512), dim=1, backend="fused") is None
     assert _reason((1, 384, 512), (512, 512), dim=1, backend="fused") is None  # [1, S, D]
-    # K (fused_cols.py: a float32 sum of the blocks' GEMMs); auto only when opted in
+    # K (fused/last_dim.py: a float32 sum of the blocks' GEMMs); auto only when opted in
     assert _reason((4, 384, 64), (128, 512), dim=2, backend="fused") is None
     assert "K / n=4" in _reason((4, 384, 4), (8, 512), dim=2, backend="fused")
     assert "alignment" in _reason((1, 3, 8), (16, 512), dim=2, backend="fused")  # 3 x 8

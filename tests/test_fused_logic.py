@@ -111,7 +111,7 @@ def test_reasons(native_ok, monkeypatch):
     params = dict(
         axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"), w_colmajor=False
     )
-    # The last dimension (N): the transposed problem (fused_cols.py), 128-row chunks of N / n.
+    # The last dimension (N): the transposed problem (fused/last_dim.py), 128-row chunks of N / n.
     assert fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2) is None
     why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 400)), params, 2)
     assert "multiple of 128 rows" in why

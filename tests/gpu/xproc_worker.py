@@ -359,7 +359,7 @@ def op_cases(mesh, arr, timeout_s):
     ag_args = (arr(xa, P("tp", None)), arr(wa, P(None, "tp")))
     ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
 
-    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused_cols.py)
+    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused/last_dim.py)
         return op(
             lambda a, b: jaxoverlap.matmul_reduce_scatter(
                 a, b, "tp", scatter_dimension=-1, config=cfg
