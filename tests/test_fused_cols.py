@@ -1,9 +1,9 @@
 """The reduce-scatter over the last dimension (jaxoverlap/fused/last_dim.py), lowered for CUDA
-without a
-GPU: one jaxoverlap_gemm_rs_v1 call of the transposed problem with both operands column-major
-(w.T and x.T are w and x as they are) and the result column-major, no XLA reduce-scatter; a
-transposed weight (w_colmajor) is read row-major instead; `auto` keeps XLA's path until the
-kernel has run on two GPUs. The values: tests/gpu/test_xproc_gpu.py (two processes)."""
+without a GPU: one jaxoverlap_gemm_rs_v1 call of the transposed problem with both operands
+column-major (w.T and x.T are w and x as they are) and the result column-major, no XLA
+reduce-scatter; a transposed weight (w_colmajor) is read row-major instead; `auto` keeps XLA's
+path until the kernel has run on two GPUs. The values: tests/gpu/test_xproc_gpu.py (two
+processes)."""
 
 from __future__ import annotations
 
