@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fake_processes import as_process, two_processes
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, runtime, topology, xproc
+from jaxoverlap import Config
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "custom_calls.json"
 UPDATE = os.environ.get("JAXOVERLAP_UPDATE_GOLDEN") == "1"
@@ -258,49 +259,11 @@ def knobs(which):
         return _lower(f, _sds(1024, 512), _sds(512, 384))
 
 
-class _FakeKV:
-    """The key-value client of process ``p``: the peer's facts published, its handles answered."""
-
-    def __init__(self, facts):
-        self.store = {f"{xproc.PREFIX}/facts/{p}": json.dumps(f) for p, f in facts.items()}
-
-    def key_value_set(self, key, value, allow_overwrite=False):
-        self.store[key] = value
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        return self.store.get(key, "ab" * 192) if "/ws/" in key else self.store[key]
-
-
-class _FakeNative:
-    def __init__(self, process):
-        self.process = process
-
-    def devices(self):  # ordinals 0, 1 of process p are global ids p, p + 2
-        return [(0, f"bus{self.process}"), (1, f"bus{self.process + 2}")]
-
-    def ws_export(self, site, group, block_bytes, partials, gather, rank):
-        return bytes([rank]) * 192
-
-    def ws_import(self, site, group, block_bytes, partials, gather, peer, handles):
-        pass
-
-
 def cross_process(monkeypatch, process, op):
     """2 processes x 2 GPUs, ``tp`` pairing one GPU of each: the local-row form of the group
     table (members of the other process as -1 - global id) and the exchanged workspace."""
-    monkeypatch.setattr(topology, "_process", lambda d: d.id % 2)
-    monkeypatch.setattr(topology, "_ordinal", lambda d: d.id // 2)
-    facts = {q: {"host": xproc._host(), "devices": {}, "links": {}} for q in (0, 1)}
-    for i in range(4):
-        facts[i % 2]["devices"][str(i)] = {"bus": f"bus{i}", "cc": [9, 0]}
-    native, kv = _FakeNative(process), _FakeKV({1 - process: facts[1 - process]})
-    monkeypatch.setattr(topology, "this_process", lambda: process)
-    monkeypatch.setattr(runtime, "native", lambda: native)
-    monkeypatch.setattr(xproc, "client", lambda: kv)
-    monkeypatch.setattr(xproc, "_published", False)
-    monkeypatch.setattr(xproc, "_facts", {})
-    monkeypatch.setattr(xproc, "_prepared", set())
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    mesh = two_processes(monkeypatch)
+    as_process(monkeypatch, process)
     if op == "rs":
 
         def body(x, w):
