@@ -326,7 +326,8 @@ def op_cases(mesh, arr, timeout_s):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused, fused_cols
+    from jaxoverlap import Config, fused
+    from jaxoverlap.fused import last_dim as fused_cols
 
     rng = np.random.default_rng(0)
 
@@ -358,7 +359,7 @@ def op_cases(mesh, arr, timeout_s):
     ag_args = (arr(xa, P("tp", None)), arr(wa, P(None, "tp")))
     ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
 
-    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused_cols.py)
+    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused/last_dim.py)
         return op(
             lambda a, b: jaxoverlap.matmul_reduce_scatter(
                 a, b, "tp", scatter_dimension=-1, config=cfg
