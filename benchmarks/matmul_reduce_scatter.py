@@ -8,7 +8,7 @@ Per shape (M x K_local x N, tp ranks, output scattered over M), in one run on fr
   rs_only       lax.psum_scatter alone (NCCL)
   jaxoverlap    matmul_reduce_scatter with backend="fused" (null where the fused path cannot run);
                 what backend="auto" picks is timed and reported beside it.
-  tile          the same with Config(schedule="tile") (jaxoverlap/fused_tile.py: one GEMM whose
+  tile          the same with Config(schedule="tile") (jaxoverlap/fused/tile.py: one GEMM whose
                 epilogue communicates), rows scattered only; null where it cannot run.
   gemm_part     (diagnostic) the fused op's GEMM schedule alone on its SM partition, without
                 communication: with gemm_only and rs_only it shows where the fused time goes.
@@ -77,7 +77,7 @@ def parse_args(argv=None):
         "--scatter",
         choices=("rows", "last"),
         default="rows",
-        help="the scattered dimension: rows (M) or the last one (N, jaxoverlap/fused_cols.py)",
+        help="the scattered dimension: rows (M) or the last one (N, jaxoverlap/fused/last_dim.py)",
     )
     p.add_argument(
         "--no-breakdown",

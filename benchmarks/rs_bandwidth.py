@@ -2,7 +2,7 @@
 
 Per size (bytes of each rank's input; bf16 [rows, 8192] scattered over rows):
   nccl    lax.psum_scatter(..., tiled=True) in shard_map (XLA's NCCL reduce-scatter)
-  tma_k   jaxoverlap.tma.tma_reduce_scatter with comm_sms=k (no GEMM)
+  tma_k   jaxoverlap.fused.tma.tma_reduce_scatter with comm_sms=k (no GEMM)
 bus bandwidth = size * (n - 1) / n / time (the nccl-tests convention for reduce-scatter).
 Each TMA result is checked against the NCCL result before it is timed.
 
@@ -57,12 +57,12 @@ def tma_call(stand_in):
         return lambda y, k: lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
     try:
         jaxoverlap = C.import_jaxoverlap()
-        from jaxoverlap import tma
+        from jaxoverlap.fused import tma
     except Exception as e:  # noqa: BLE001
-        return f"import jaxoverlap.tma failed: {type(e).__name__}: {e}"
+        return f"import jaxoverlap.fused.tma failed: {type(e).__name__}: {e}"
     fn = getattr(tma, "tma_reduce_scatter", None)
     if fn is None:
-        return "jaxoverlap.tma.tma_reduce_scatter does not exist in this checkout"
+        return "jaxoverlap.fused.tma.tma_reduce_scatter does not exist in this checkout"
     params = inspect.signature(fn).parameters
     kw = {"scatter_dimension": 0} if "scatter_dimension" in params else {}
     if "comm_sms" in params:
@@ -70,7 +70,9 @@ def tma_call(stand_in):
     if "config" in params:
         cfg = jaxoverlap.Config
         return lambda y, k: fn(y, "tp", config=cfg(backend="fused", comm_sms=k), **kw)
-    return f"jaxoverlap.tma.tma_reduce_scatter{inspect.signature(fn)} takes no comm_sms/config"
+    return (
+        f"jaxoverlap.fused.tma.tma_reduce_scatter{inspect.signature(fn)} takes no comm_sms/config"
+    )
 
 
 def measure_size(jax, mesh, tp, size_mb, args, seed, call):

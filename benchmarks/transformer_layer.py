@@ -228,7 +228,8 @@ _XLA_COLLECTIVE = re.compile(r" (?:all-gather|reduce-scatter|all-reduce)(?:-star
 
 
 def jo_targets(jo):
-    from jaxoverlap import fused, fused_backward
+    from jaxoverlap import fused
+    from jaxoverlap.fused import backward as fused_backward
 
     found = {v for k, v in vars(fused).items() if k.endswith("_TARGET") and isinstance(v, str)}
     return sorted(found | {fused_backward.TARGET})

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, use_abstract_mesh
 
+from jaxoverlap import ops
 from jaxoverlap.config import Config
 
 __all__ = ["Plan", "matmul", "plan"]
@@ -137,8 +138,6 @@ def _local(x, w, config):
 
 
 def _apply(p: Plan, x, w, config):
-    from jaxoverlap import ops  # deferred: jaxoverlap/__init__ imports this module
-
     if p.kind == "matmul_reduce_scatter":
         return ops.matmul_reduce_scatter(x, w, p.axes, scatter_dimension=p.dim, config=config)
     if p.kind == "matmul_all_reduce":

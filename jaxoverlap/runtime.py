@@ -12,6 +12,7 @@ Workspaces of groups that span processes are set up by `jaxoverlap.xproc` at low
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib
 import logging
 import os
@@ -19,7 +20,8 @@ import threading
 
 log = logging.getLogger("jaxoverlap")
 # JAXOVERLAP_COMMAND_BUFFERS=1 lets XLA capture the fused handlers into its command buffers
-# (CUDA graphs; ffi/capture.h). Off by default: captured calls run correctly (fused ops alone, in
+# (CUDA graphs; ffi/runtime/capture.h). Off by default: captured calls run correctly (fused ops
+# alone, in
 # lax.scan, the scanned training step; docs/measurements.md runs 40 and 44, one GPU shared by two
 # processes) but are not yet measured on two GPUs, and a replayed call runs no host code, so its
 # error surfaces later (check_errors() or a call that is not replayed). Off, every fused call
@@ -29,6 +31,9 @@ _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
 _registered = False
+# The tuner's cache format (fused/tuned.py writes it); part of `fingerprint`, so a new format
+# starts a new file and old caches stay valid.
+CACHE_VERSION = 1
 
 
 def _preload_cublaslt():
@@ -65,6 +70,8 @@ def native():
         if _native is None and _load_error is None:
             err = _preload_cublaslt()
             try:
+                # Lazy by design (nothing native at `import jaxoverlap`); the one import of a
+                # jaxoverlap module inside a function (tests/test_structure.py allows it).
                 _native = importlib.import_module("jaxoverlap._native")
             except ImportError as e:
                 _load_error = (
@@ -94,7 +101,7 @@ def register_targets():
         from jax._src.lib import xla_client
 
         traits = xla_client.CustomCallTargetTraits.DEFAULT
-        if COMMAND_BUFFERS:  # XLA may capture the handlers into CUDA graphs (ffi/runtime.h)
+        if COMMAND_BUFFERS:  # XLA may capture the handlers into CUDA graphs (ffi/runtime/runtime.h)
             traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, stages in mod.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)
@@ -104,18 +111,40 @@ def register_targets():
 
 
 def _share_gemm_choices(mod):
-    """Points the GEMM runner's algorithm choices (ffi/gemm.h) at the tuner's cache, under the
+    """Points the GEMM runner's algorithm choices (ffi/runtime/gemm.h) at the tuner's cache, under
+    the
     tuner's fingerprint: every process of this machine then computes a shape with the algorithm
     the first of them measured fastest (the same bits on every rank and rerun)."""
-    from jaxoverlap import tune
-
-    path = os.path.join(tune.cache_dir(), f"gemm-{tune.fingerprint()}")
+    path = os.path.join(cache_dir(), f"gemm-{fingerprint()}")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:  # read-only home: every process times its own choice
         log.warning("jaxoverlap: GEMM choices not shared between processes (%s)", e)
         return
     mod.set_gemm_cache_dir(path)
+
+
+def cache_dir() -> str:
+    """Where measured decisions live: ``$XDG_CACHE_HOME/jaxoverlap`` (default ``~/.cache``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxoverlap")
+
+
+def fingerprint() -> str:
+    """Hash of what the timings depend on: jaxlib, the native extension's file, the driver."""
+    import jax
+    import jaxlib
+
+    parts = [f"v{CACHE_VERSION}", jaxlib.__version__]
+    path = getattr(native(), "__file__", None)
+    if path and os.path.exists(path):
+        st = os.stat(path)
+        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
+    try:
+        parts.append(jax.devices()[0].client.platform_version)
+    except Exception:  # noqa: BLE001 - no backend: the fingerprint just has one part fewer
+        pass
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
 def can_access_peer(a: int, b: int) -> bool:

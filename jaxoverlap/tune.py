@@ -5,7 +5,7 @@ and every candidate setting of the fused kernel on the real GPUs, side by side (
 samples, medians), checks each fused result against XLA's, and records the outcome in a JSON
 cache on disk. ``backend="auto"`` then takes the fused path exactly where the recorded
 measurement beat XLA by more than the noise (the larger spread of the two, at least 2 %), with
-the fastest setting; where nothing is recorded it uses a conservative rule (`jaxoverlap.fused`)
+the fastest setting; where nothing is recorded it uses a conservative rule (`fused.policy`)
 and says so once in the log.
 
     python -m jaxoverlap.tune --shapes 8192x4096x8192,4096x14336x4096 --tp 2
@@ -26,117 +26,40 @@ offered (`jaxoverlap.xproc.agree`), so no two processes can lower different prog
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
-import json
 import logging
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from jaxoverlap.fused import policy
+from jaxoverlap.fused.cache import (  # noqa: F401  (re-exported: the cache, as before the split)
+    CACHE_VERSION,
+    Key,
+    cache_path,
+    load,
+    lookup,
+    record,
+)
+from jaxoverlap.runtime import cache_dir, fingerprint  # noqa: F401  (re-exported, as above)
+
 log = logging.getLogger("jaxoverlap")
-CACHE_VERSION = 1
 NOISE_FLOOR = 0.02  # "faster" needs at least this margin (BENCHMARKS.md timing protocol)
 # Candidate settings of the fused GEMM + reduce-scatter: sub-chunks per block x comm SMs.
 RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
 # comm_sms=0: the copy engine pushes, no SM partition (matmul_reduce_scatter only); one chunk
 # would expose the whole push (the own GEMM needs the peers' partials), so 2 and 4.
 RS_CE_CANDIDATES = ((2, 0), (4, 0))
-# Config(schedule="tile"): one GEMM whose epilogue communicates (jaxoverlap/fused_tile.py); no
+# Config(schedule="tile"): one GEMM whose epilogue communicates (jaxoverlap/fused/tile.py); no
 # chunks, no SMs of its own. A candidate is (chunks, comm_sms) or this.
 TILE = "tile"
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """What a decision depends on. matmul_reduce_scatter and matmul_all_reduce: x [m, k] (rows
-    flattened) and w [k, n] per device; all_gather_matmul: m = gathered rows (x [m / group, k]
-    per device), w [k, n]."""
-
-    op: str
-    m: int
-    k: int
-    n: int
-    dtype: str
-    group: int
-    device_kind: str
-
-    def id(self) -> str:
-        kind = self.device_kind.replace(" ", "_")
-        return f"{self.op}|{kind}|{self.dtype}|tp{self.group}|{self.m}x{self.k}x{self.n}"
-
-
-# ----------------------------------------------------------------------------- the cache
-
-
-def cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "jaxoverlap")
-
-
-def fingerprint() -> str:
-    """Hash of what the timings depend on: jaxlib, the native extension's file, the driver."""
-    import jax
-    import jaxlib
-
-    parts = [f"v{CACHE_VERSION}", jaxlib.__version__]
-    from jaxoverlap import runtime
-
-    native = runtime.native()
-    path = getattr(native, "__file__", None)
-    if path and os.path.exists(path):
-        st = os.stat(path)
-        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
-    try:
-        parts.append(jax.devices()[0].client.platform_version)
-    except Exception:  # noqa: BLE001 - no backend: the fingerprint just has one part fewer
-        pass
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
-
-
-_memo: dict[str, tuple[float, dict]] = {}
-
-
-def cache_path() -> str:
-    return os.path.join(cache_dir(), f"tune-{fingerprint()}.json")
-
-
-def load(path: str | None = None) -> dict:
-    """The cache's entries (id -> entry); {} when there is none. Re-read when the file changes."""
-    path = path or cache_path()
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return {}
-    if path in _memo and _memo[path][0] == mtime:
-        return _memo[path][1]
-    try:
-        with open(path) as f:
-            entries = json.load(f).get("entries", {})
-    except (OSError, ValueError) as e:
-        log.warning("jaxoverlap: ignoring the unreadable tuning cache %s (%s)", path, e)
-        entries = {}
-    _memo[path] = (mtime, entries)
-    return entries
-
-
-def lookup(key: Key, path: str | None = None) -> dict | None:
-    return load(path).get(key.id())
-
-
-def record(key: Key, entry: dict, path: str | None = None) -> None:
-    """Adds one entry; written atomically (a reader never sees half a file)."""
-    path = path or cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    entries = dict(load(path))
-    entries[key.id()] = entry
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -180,8 +103,6 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
     calls. Quartiles, not (max - min): one sample disturbed by something else on the machine
     must not veto a decision (BENCHMARKS.md's (max - min) / median read 10-33 % on 7 samples of
     otherwise stable GEMMs in a tuning run, docs/measurements.md run 17)."""
-    import jax
-
     iters = {}
     for name, (fn, args) in fns.items():
         jax.block_until_ready(fn(*args))
@@ -212,9 +133,7 @@ def candidates(op):
     """The fused settings tried for ``op``: (chunks, comm_sms) -- comm_sms None = not used --
     or `TILE`, the tile schedule."""
     if op == "matmul_reduce_scatter":
-        from jaxoverlap import fused
-
-        new = RS_CE_CANDIDATES + (TILE,) if fused.AUTO_NEW_KERNELS else ()
+        new = RS_CE_CANDIDATES + (TILE,) if policy.AUTO_NEW_KERNELS else ()
         return RS_CANDIDATES + new
     if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's SM schedule
         return RS_CANDIDATES
@@ -225,15 +144,6 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
     """Tunes ``op`` on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter and
     matmul_all_reduce x [m, k] and w [k, n] per device; all_gather_matmul m gathered rows,
     x [m / group, k], w [k, n] per device."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxoverlap
-    from jaxoverlap import fused
-
     if op not in OPS:
         raise ValueError(f"jaxoverlap.tune: op must be one of {OPS}, not {op!r}")
     devices = jax.devices()
@@ -267,7 +177,7 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
     for cand in candidates(op):
         if cand == TILE:
             config = jaxoverlap.Config(backend="fused", schedule=TILE)
-        elif fused.choose_chunks(block, k, n, cand[0]) != cand[0]:
+        elif policy.choose_chunks(block, k, n, cand[0]) != cand[0]:
             continue  # this split is not aligned for the shape
         else:
             config = jaxoverlap.Config(backend="fused", chunks=cand[0], comm_sms=cand[1])
@@ -297,8 +207,6 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
 def shapes_of(fn, *args, **kwargs) -> list[tuple]:
     """The distinct (op, m, k, n, dtype, group) of the jaxoverlap ops in ``fn``'s jaxpr (at any
     depth), shaped as `Key` counts them."""
-    import jax
-
     names = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
     found = []
     variants = {"all_gather_matmul_keep": "all_gather_matmul"}  # same kernel, tuned as one

@@ -1,6 +1,7 @@
 """The call-order guard (ffi/runtime/call_order.h), checked without GPUs: the header is plain C++,
 compiled here into a small driver that replays the calls of one workspace as the ranks' hosts
-issue them. Also the ``call_tag`` attribute the lowering sends (jaxoverlap/fused.py ``_call_tag``).
+issue them. Also the ``call_tag`` attribute the lowering sends (jaxoverlap/fused/call.py
+``_call_tag``).
 
 A "logical call" below is (launch, call site, iteration): what the ranks must pair. The guard sees
 (run id, call tag) per call; the property checked is that it flags call number k on a rank
@@ -61,7 +62,7 @@ def _replay(driver, n, per_rank, order):
         launch, site, _ = logical[r][k]
         pos[r] += 1
         first.setdefault(k, logical[r][k])
-        calls.append((r, 1000 + launch, 7 * site + 3))  # run ids and tags as XLA / fused.py
+        calls.append((r, 1000 + launch, 7 * site + 3))  # run ids and tags as XLA / fused/call.py
         expect.append(int(first[k] == logical[r][k]))
     got, why = driver(n, calls)
     assert [g[0] for g in got] == expect, (per_rank, order)

@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_backward
+from jaxoverlap import Config, fused
+from jaxoverlap.fused import backward as fused_backward
 
 OP = "all_gather_matmul"
 FUSED = Config(backend="fused")
@@ -40,18 +41,18 @@ def test_reasons(native_ok, monkeypatch):
     # any dimension but K: major-most in the custom call's layout ([B, S, D] split over S)
     assert _reason((4, 384, 512), (512, 512), dim=1, backend="fused") is None
     assert _reason((1, 384, 512), (512, 512), dim=1, backend="fused") is None  # [1, S, D]
-    # K (fused_cols.py: a float32 sum of the blocks' GEMMs); auto only when opted in
+    # K (fused/last_dim.py: a float32 sum of the blocks' GEMMs); auto only when opted in
     assert _reason((4, 384, 64), (128, 512), dim=2, backend="fused") is None
     assert "K / n=4" in _reason((4, 384, 4), (8, 512), dim=2, backend="fused")
     assert "alignment" in _reason((1, 3, 8), (16, 512), dim=2, backend="fused")  # 3 x 8
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
     assert "along K" in _reason((4, 384, 64), (128, 512), dim=2)
     assert "no rows" in _reason((0, 512), (512, 768), backend="fused")
 
 
 def test_auto_rule_is_the_cost_model(native_ok, monkeypatch):
     # Untuned: tp=2, gathered rows and K >= 4096, N_local >= 2048: fused; else or tp > 2: XLA.
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     assert _reason((4096, 8192), (8192, 4096)) is None
     assert _reason((2048, 4096), (4096, 7168)) is None
     assert _reason((2048, 4096), (4096, 2048)) is None  # N_local 2048: measured 1.35x over XLA
@@ -179,7 +180,7 @@ def test_auto_takes_the_training_path_only_once_opted_in(lowering_only, monkeypa
     """Until the training path's kernels have run on GPUs, backend="auto" keeps JAX's own
     collectives for them (JAXOVERLAP_AUTO_NEW_KERNELS=1, fused.AUTO_NEW_KERNELS, opts in);
     the forward reduce-scatter stays fused either way."""
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", opted_in)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", opted_in)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 
     def layer(x, w1, w2):

@@ -1,8 +1,9 @@
-"""The reduce-scatter over the last dimension (jaxoverlap/fused_cols.py), lowered for CUDA without a
-GPU: one jaxoverlap_gemm_rs_v1 call of the transposed problem with both operands column-major
-(w.T and x.T are w and x as they are) and the result column-major, no XLA reduce-scatter; a
-transposed weight (w_colmajor) is read row-major instead; `auto` keeps XLA's path until the
-kernel has run on two GPUs. The values: tests/gpu/test_xproc_gpu.py (two processes)."""
+"""The reduce-scatter over the last dimension (jaxoverlap/fused/last_dim.py), lowered for CUDA
+without a GPU: one jaxoverlap_gemm_rs_v1 call of the transposed problem with both operands
+column-major (w.T and x.T are w and x as they are) and the result column-major, no XLA
+reduce-scatter; a transposed weight (w_colmajor) is read row-major instead; `auto` keeps XLA's
+path until the kernel has run on two GPUs. The values: tests/gpu/test_xproc_gpu.py (two
+processes)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _lower(x_shape, w_shape, cfg):
 
 @pytest.mark.parametrize("x_shape", [(1024, 2 * 512), (2, 512, 2 * 512)])
 def test_last_dimension_is_one_call_of_the_transposed_problem(lowering_only, monkeypatch, x_shape):
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     text = _lower(x_shape, (2 * 512, 768), Config(backend="fused"))
     (call,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]
     assert "reduce_scatter" not in text
@@ -52,9 +53,9 @@ def test_last_dimension_is_one_call_of_the_transposed_problem(lowering_only, mon
 def test_transposed_weight_is_read_row_major(lowering_only, monkeypatch):
     """dx of all_gather_matmul gathering K is ct @ w.T scattered over its last dimension, with w.T
     the weight read in place (w_colmajor): the transposed problem's A is then w, row-major."""
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
-    monkeypatch.setattr(fused, "_auto_reason", lambda *a: None)  # "measured faster"
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "_auto_reason", lambda *a: None)  # "measured faster"
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     cfg = Config(backend="auto")  # "fused" would raise: no fused variant returning x along K
 
@@ -78,17 +79,17 @@ def test_transposed_weight_is_read_row_major(lowering_only, monkeypatch):
 
 
 def test_auto_keeps_xla_until_measured(lowering_only, monkeypatch):
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     text = _lower((8192, 2 * 4096), (2 * 4096, 8192), Config(backend="auto"))
     assert f"@{fused.GEMM_RS_TARGET}" not in text and "reduce_scatter" in text
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
     text = _lower((8192, 2 * 4096), (2 * 4096, 8192), Config(backend="auto"))
     assert f"@{fused.GEMM_RS_TARGET}" in text and "reduce_scatter" not in text
 
 
 def test_row_scatter_calls_say_x_is_row_major(lowering_only, monkeypatch):
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     f = jax.jit(
         jax.shard_map(
@@ -125,9 +126,9 @@ def _lower_k(x_shape, w_shape, cfg, grad=False):
 
 @pytest.mark.parametrize("x_shape", [(1024, 2 * 256), (2, 512, 2 * 256)])
 def test_gather_along_k_is_one_call_with_a_float32_sum(lowering_only, monkeypatch, x_shape):
-    from jaxoverlap import fused_cols
+    from jaxoverlap.fused import last_dim as fused_cols
 
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     text = _lower_k(x_shape, (2 * 256, 2 * 384), Config(backend="fused"))
     (call,) = [ln for ln in text.splitlines() if f"@{fused_cols.AG_K_TARGET}" in ln]
     assert "all_gather" not in text
@@ -144,12 +145,12 @@ def test_gather_along_k_is_one_call_with_a_float32_sum(lowering_only, monkeypatc
 def test_gather_along_k_with_a_trained_weight(lowering_only, monkeypatch):
     """dW needs the gathered x: that variant is not fused along K -- backend="fused" says so,
     "auto" (opted in) keeps XLA's all-gather."""
-    from jaxoverlap import fused_cols
+    from jaxoverlap.fused import last_dim as fused_cols
 
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     with pytest.raises(ValueError, match="along K, the all-gather that also returns x"):
         _lower_k((1024, 512), (512, 768), Config(backend="fused"), grad=True)
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
-    monkeypatch.setattr(fused, "_auto_reason", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "_auto_reason", lambda *a: None)
     text = _lower_k((1024, 512), (512, 768), Config(backend="auto"), grad=True)
     assert f"@{fused_cols.AG_K_TARGET}" not in text and "all_gather" in text

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_tile, runtime
+from jaxoverlap import Config, fused, runtime
+from jaxoverlap.fused import tile as fused_tile
 
 OP = "matmul_reduce_scatter"
 
@@ -30,7 +31,7 @@ def _reason(x_shape, w_shape, n=2, dtype=jnp.bfloat16, **cfg):
 
 
 def test_all_reduce_fuses_only_when_asked_or_tuned(native_ok, monkeypatch):
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     x, w = _aval((8192, 4096)), _aval((4096, 8192))
 
     def reason(backend):
@@ -40,7 +41,7 @@ def test_all_reduce_fuses_only_when_asked_or_tuned(native_ok, monkeypatch):
     assert reason("fused") is None
     assert "never measured" in reason("auto") and "--op matmul_all_reduce" in reason("auto")
     entry = dict(choice="fused", chunks=2, comm_sms=4, ms_xla=1.0, ms_fused=0.8)
-    monkeypatch.setattr(fused, "tuned", lambda *a: entry)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: entry)
     assert reason("auto") is None
     params = dict(axis_name=("tp",), config=Config(backend="fused"))
     odd = fused.unsupported_reason(
@@ -110,17 +111,17 @@ def test_reasons(native_ok, monkeypatch):
     params = dict(
         axis_name=("tp",), scatter_dimension=1, config=Config(backend="fused"), w_colmajor=False
     )
-    # The last dimension (N): the transposed problem (fused_cols.py), 128-row chunks of N / n.
+    # The last dimension (N): the transposed problem (fused/last_dim.py), 128-row chunks of N / n.
     assert fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 768)), params, 2) is None
     why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 400)), params, 2)
     assert "multiple of 128 rows" in why
     why = fused.unsupported_reason(OP, _aval((1024, 512)), _aval((512, 770)), params, 4)
     assert "not divisible by the group size 4" in why
     auto = dict(params, config=Config(backend="auto"))
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
     why = fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2)
     assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why and "last dimension" in why
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
     assert fused.unsupported_reason(OP, _aval((8192, 4096)), _aval((4096, 8192)), auto, 2) is None
     # A middle dimension: major-most in the custom call's layout, blocks of rows again.
     assert fused.unsupported_reason(OP, _aval((1, 1024, 512)), _aval((512, 768)), params, 2) is None
@@ -138,7 +139,7 @@ def test_missing_extension_is_the_reason(monkeypatch):
 
 
 def test_auto_untuned_uses_the_conservative_rule(native_ok, monkeypatch):
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     assert "outside the conservative rule" in _reason((1024, 512), (512, 768))
     assert "outside the conservative rule" in _reason((8192, 4096), (4096, 8192), n=4)
     assert "jaxoverlap.tune --op matmul_reduce_scatter --shapes 8192x14336x8192" in _reason(
@@ -152,7 +153,7 @@ def test_auto_untuned_uses_the_conservative_rule(native_ok, monkeypatch):
 
 def test_auto_follows_the_tuners_measurement(native_ok, monkeypatch):
     entry = dict(choice="xla", chunks=2, comm_sms=4, ms_xla=1.0, ms_fused=1.01)
-    monkeypatch.setattr(fused, "tuned", lambda *a: entry)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: entry)
     # Inside the conservative rule, but measured no faster: XLA's path, saying so.
     assert "tuned, XLA's path measured" in _reason((8192, 4096), (4096, 8192))
     entry["choice"] = "fused"
@@ -217,9 +218,9 @@ def test_comm_sms_0_is_the_copy_engine_reduce_scatter(
     """Config(comm_sms=0), or a tuner entry with comm_sms 0 once new kernels are allowed: the
     copy-engine handler; the all-reduce has none and keeps its SM schedule. A tuner entry with
     comm_sms 0 while they are not allowed: the SM schedule's default."""
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", new_kernels)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", new_kernels)
     entry = dict(choice="fused", chunks=2, comm_sms=0, ms_xla=1.0, ms_fused=0.8)
-    monkeypatch.setattr(fused, "tuned", lambda *a: entry if tuned_sms == 0 else None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: entry if tuned_sms == 0 else None)
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     cfg = Config(backend="fused", comm_sms=None if tuned_sms == 0 else 0)
 
@@ -295,11 +296,11 @@ def test_tile_schedule_reasons(native_ok, monkeypatch):
     why = _reason((2 * 384, 512), (512, 768), **tile)  # 384 rows per rank
     assert "rows per rank (384) must be a multiple of 256" in why and "chunked" in why
     assert _reason((2 * 384, 512), (512, 768), backend="fused") is None  # chunked runs it
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
     why = _reason((8192, 4096), (4096, 8192), backend="auto", schedule="tile")
     assert "JAXOVERLAP_AUTO_NEW_KERNELS" in why
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     assert _reason((8192, 4096), (4096, 8192), backend="auto", schedule="tile") is None
     assert "conservative rule" in _reason((1024, 512), (512, 768), backend="auto", schedule="tile")
 
@@ -319,11 +320,11 @@ def test_tile_schedule_lowering(monkeypatch, lowering_only, how):
     GEMM_RS_TILE_TARGET call with the tuner's swizzle (else the default), no chunks, no SMs of
     its own, and no collective left; the all-reduce keeps its schedule. A tuner entry for it
     while new kernels are not allowed: the chunked schedule."""
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", how == "tuned")
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", how == "tuned")
     entry = dict(
         choice="fused", chunks=1, comm_sms=0, schedule="tile", swizzle=2, ms_xla=1.0, ms_fused=0.8
     )
-    monkeypatch.setattr(fused, "tuned", lambda *a: None if how == "config" else entry)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None if how == "config" else entry)
     cfg = Config(backend="fused", schedule="tile" if how == "config" else None, timeout_s=9.0)
     mesh = Mesh(np.array(jax.devices()[:2])[::-1], ("tp",))
 

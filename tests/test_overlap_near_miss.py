@@ -149,7 +149,7 @@ def test_explain_summary_and_verbose_false_folds_fsdp_gathers(capsys):
 def test_explain_path_comes_from_the_fused_module(monkeypatch):
     """With the native extension reported available, the path is what `fused` decides for the
     op's own operands: a reduce-scatter over the last dimension (N) too small for the transposed
-    problem's 128-row chunks (fused_cols.py) runs the reference path."""
+    problem's 128-row chunks (fused/last_dim.py) runs the reference path."""
     from jaxoverlap import runtime
 
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, config, fused, runtime, tma, topology
+from jaxoverlap import Config, config, fused, runtime, topology
+from jaxoverlap.fused import tma
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 0, 0.0, -1.0, True, "5", 1e9])

@@ -11,7 +11,8 @@ from harness import GRAD_TOL, TOL, P, assert_close, make_mesh, place, random
 from jax import lax
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_backward
+from jaxoverlap import Config, fused
+from jaxoverlap.fused import backward as fused_backward
 
 F32 = jnp.float32
 WIDTHS = (12, 20, 8)  # per-device N of each weight
@@ -88,7 +89,7 @@ def test_training_gathers_once_and_scatters_once_without_concatenating(monkeypat
     """One gather (the variant returning x) and one reduce-scatter (the backward op, with the
     other weights' share of dx as its addend; or, before the new kernels are allowed under auto,
     XLA's) -- what plain JAX communicates -- and no weight concatenated or gradient split."""
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", new_kernels)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", new_kernels)
     mesh, (x, *ws), x_spec, w_spec = _setup(0)
 
     def grad(f):

@@ -117,7 +117,7 @@ def two_fake_processes(monkeypatch):
     monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
     monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
     return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
 
 

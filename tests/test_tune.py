@@ -10,13 +10,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import tune
+from jaxoverlap import runtime, tune
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(tune, "fingerprint", lambda: "test")
+    monkeypatch.setattr(runtime, "fingerprint", lambda: "test")
     return tmp_path / "jaxoverlap" / "tune-test.json"
 
 
@@ -109,10 +109,10 @@ def test_tuning_needs_gpus():
 def test_copy_engine_candidates_only_once_new_kernels_are_allowed(monkeypatch):
     from jaxoverlap import fused
 
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", False)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
     assert all(sms != 0 for _, sms in tune.candidates("matmul_reduce_scatter"))
     assert tune.TILE not in tune.candidates("matmul_reduce_scatter")
-    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", True)
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
     assert (2, 0) in tune.candidates("matmul_reduce_scatter")
     assert tune.TILE in tune.candidates("matmul_reduce_scatter")
     assert all(sms != 0 for _, sms in tune.candidates("matmul_all_reduce"))  # no CE handler

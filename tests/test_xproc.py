@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from fake_processes import FakeKV, as_process, two_processes
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
@@ -108,71 +108,18 @@ def test_unfusable_reason_asks_the_cross_process_rule():
     assert "no jax.distributed" in topology.unfusable_reason(table, process_index=0)
 
 
-class FakeKV:
-    """The key-value client: blocking gets of workspace keys answer for the absent peer."""
-
-    def __init__(self, facts):
-        self.store = {f"{xproc.PREFIX}/facts/{p}": json.dumps(f) for p, f in facts.items()}
-        self.asked = []
-
-    def key_value_set(self, key, value, allow_overwrite=False):
-        self.store[key] = value
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        self.asked.append(key)
-        if "/ws/" in key:
-            return self.store.get(key, "ab" * xproc_ipc_bytes())
-        return self.store[key]
-
-
-def xproc_ipc_bytes():
-    return 192  # kIpcBytes in ffi/runtime/runtime.h
-
-
-class FakeNative:
-    def __init__(self, process):
-        self.exports, self.imports = [], []
-        self.process = process
-
-    def devices(self):  # ordinals 0, 1 of process p are global ids p, p + 2
-        return [(0, f"bus{self.process}"), (1, f"bus{self.process + 2}")]
-
-    def ws_export(self, site, group, block_bytes, partials, gather, rank):
-        self.exports.append((group, block_bytes, partials, gather, rank))
-        return bytes([rank]) * xproc_ipc_bytes()
-
-    def ws_import(self, site, group, block_bytes, partials, gather, peer, handles):
-        self.imports.append((group, block_bytes, partials, gather, peer, handles[:1]))
-
-
 @pytest.fixture
 def spanning(monkeypatch):
     """4 CPU devices as 2 processes x 2 GPUs where ``tp`` pairs one GPU of each process: ids
     0, 2 in process 0 and 1, 3 in process 1 (ordinals 0, 1 in each); mesh [[0, 1], [2, 3]]."""
-    monkeypatch.setattr(topology, "_process", lambda d: d.id % 2)
-    monkeypatch.setattr(topology, "_ordinal", lambda d: d.id // 2)
+    mesh = two_processes(monkeypatch)
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: None)
     monkeypatch.setattr(runtime, "register_targets", lambda: None)
     monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
     monkeypatch.setattr(runtime, "peer_link", lambda a, b: {"access": True, "native_atomics": True})
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(fused, "tuned", lambda *a: None)
-
-    def as_process(p):
-        native = FakeNative(p)
-        facts = {q: {"host": xproc._host(), "devices": {}, "links": {}} for q in (0, 1)}
-        for i in range(4):
-            facts[i % 2]["devices"][str(i)] = {"bus": f"bus{i}", "cc": [9, 0]}
-        kv = FakeKV({1 - p: facts[1 - p]})
-        monkeypatch.setattr(topology, "this_process", lambda: p)
-        monkeypatch.setattr(runtime, "native", lambda: native)
-        monkeypatch.setattr(xproc, "client", lambda: kv)
-        monkeypatch.setattr(xproc, "_published", False)
-        monkeypatch.setattr(xproc, "_facts", {})
-        monkeypatch.setattr(xproc, "_prepared", set())
-        return native, kv
-
-    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp")), as_process
+    monkeypatch.setattr(fused.policy, "tuned", lambda *a: None)
+    return mesh, lambda p: as_process(monkeypatch, p)
 
 
 def _lower(mesh):
@@ -324,7 +271,7 @@ def test_tuned_entry_is_agreed_across_processes(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     mine = {"choice": "xla", "chunks": None, "comm_sms": None}
     theirs = {"choice": "fused", "chunks": 4, "comm_sms": 8}
-    monkeypatch.setattr(tune, "lookup", lambda key, path=None: mine)
+    monkeypatch.setattr(fused.cache, "lookup", lambda key, path=None: mine)
     key = tune.Key("matmul_reduce_scatter", 8192, 4096, 8192, "bfloat16", 2, "NVIDIA H200")
     kv.store[f"{xproc.PREFIX}/agree/tuned/" + xproc.exchange_key((), (key.id(),))] = json.dumps(
         theirs

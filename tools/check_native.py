@@ -78,7 +78,7 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxoverlap import tma
+    from jaxoverlap.fused import tma
 
     mesh = Mesh(np.array(gpus), ("tp",))
     gemm_rs_target, rs_target = fused.GEMM_RS_TARGET, tma.RS_TARGET

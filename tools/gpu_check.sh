@@ -3,12 +3,15 @@
 # GPU tests, the op benchmarks and the CPU test suite, and prints the summary table LAST.
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
-#                      [--layer] [--stress] [--gemm-probe] [--tile-probe]
+#                      [--layer] [--stress] [--gemm-probe] [--tile-probe] [--sanitize[=TOOLS]]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
 # --layer: also the transformer layer's train step (tuned first; tuning cache under $LOG);
-# --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked).
+# --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked; on one
+# GPU: two processes sharing it, 10 call sites, tools/stress_xproc.py).
+# --sanitize[=memcheck,racecheck,...]: also tools/sanitize.py (two processes, each under
+# compute-sanitizer, every fused op; default all four tools; GPU_CHECK_SANITIZE_MODE=ops|train).
 # --gemm-probe: also tools/probes/gemm_search_probe.py (one GPU: the fused schedule's GEMM work
 # against XLA's GEMM, cuBLASLt's first choice vs the best of its candidates).
 # --tile-probe: also build/probes/tile_rs_probe (one GPU; built on the CPU machine by
@@ -35,7 +38,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-530}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
-BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0
+BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0 SANITIZE=
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -47,7 +50,9 @@ for a in "$@"; do
     --stress) STRESS=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
     --tile-probe) TILE_PROBE=1 ;;
-    -h | --help) sed -n 2,22p "$0"; exit 0 ;;
+    --sanitize) SANITIZE=memcheck,racecheck,synccheck,initcheck ;;
+    --sanitize=*) SANITIZE=${a#--sanitize=} ;;
+    -h | --help) sed -n 2,26p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -85,7 +90,7 @@ step() {
   # pytest's last line ("3 passed, 1 skipped in 9.1s"), a benchmark's headline, a check's
   # verdict; else the log's last line
   local detail
-  detail=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)|^geomean|^TMA with|^FAIL|check: OK|^TILE' \
+  detail=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)|^geomean|^TMA with|^FAIL|check: OK|^TILE|^STRESS|^SANITIZE' \
     "$log" | tail -n 1)
   [[ -z $detail ]] && detail=$(grep -v '^\s*$' "$log" | tail -n 1)
   SUMMARY+=("$(printf '%-12s %-16s %4ss  %.110s' "$status" "$name" $((SECONDS - t0)) "$detail")")
@@ -143,9 +148,19 @@ if ((TILE_PROBE)); then
   done
   kill "$SMI" 2>/dev/null
 fi
-if ((NGPU < 2 && (BENCH || STRESS || LAYER))); then
-  echo "one GPU: benchmarks, stress and the layer need two GPUs; skipped"
-  BENCH=0 STRESS=0 LAYER=0
+if ((NGPU < 2 && STRESS)); then
+  # Two processes sharing the GPU: every call site's protocol with a real second rank (kernels
+  # time-slice: endurance and correctness, no speed).
+  step stress-xproc 420 "$PY" tools/stress.py --processes 2 --deadline-s 400
+  STRESS=0
+fi
+if [[ -n $SANITIZE ]]; then
+  step sanitize 560 "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
+    --mode "${GPU_CHECK_SANITIZE_MODE:-ops}" --deadline-s "${GPU_CHECK_SANITIZE_TOOL_S:-240}"
+fi
+if ((NGPU < 2 && (BENCH || LAYER))); then
+  echo "one GPU: benchmarks and the layer need two GPUs; skipped"
+  BENCH=0 LAYER=0
 fi
 if ((BENCH)); then
   step bench-gemm-rs 180 "$PY" benchmarks/matmul_reduce_scatter.py --out "$RESULTS" \

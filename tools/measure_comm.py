@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import fused, tma
+from jaxoverlap import fused
+from jaxoverlap.fused import tma
 
 # benchmarks/_common.py: the timing and shard_map helpers the benchmarks use.
 sys.path.insert(

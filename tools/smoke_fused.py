@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import fused, runtime, tma
+from jaxoverlap import fused, runtime
+from jaxoverlap.fused import tma
 
 print("native:", runtime.unavailable_reason() or "loaded", flush=True)
 mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))

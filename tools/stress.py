@@ -10,6 +10,8 @@ beyond the workspaces of the distinct ops, and `jaxoverlap.check_errors()` must 
 
     python tools/stress.py                     # 2 GPUs, 10,000 fused calls
     python tools/stress.py --cpu-smoke         # fake CPU devices, the reference path: the harness
+    python tools/stress.py --processes 2       # two processes (one GPU each, or sharing one GPU)
+                                               # over 10 call sites: tools/stress_xproc.py
 
 Exit status 0 when every result matched, memory stayed bounded and no fused call failed.
 """
@@ -38,7 +40,28 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, help="fused calls in all (default 10000; smoke 40)")
     p.add_argument("--steps", type=int, default=25, help="scan length of one program")
     p.add_argument("--cpu-smoke", action="store_true", help="2 fake CPU devices, tiny shapes")
+    p.add_argument("--processes", type=int, default=0, help="a group over this many processes")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="Config.timeout_s (processes)")
+    p.add_argument("--deadline-s", type=float, default=480.0, help="whole run (processes)")
+    p.add_argument(
+        "--memory",
+        metavar="FRESH,SIZES",
+        help="instead: device memory over FRESH new jit call sites of 4 shapes, then SIZES call "
+        "sites of distinct batch sizes (two processes; issue 25 item 4)",
+    )
     a = p.parse_args(argv)
+    if a.processes:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import stress_xproc
+
+        backend = "xla" if a.cpu_smoke else "fused"
+        if a.memory:
+            memory = tuple(int(v) for v in a.memory.split(","))
+            return stress_xproc.run(a.processes, 0, 0, 0, a.deadline_s, memory=memory)
+        return stress_xproc.run(
+            a.processes, a.calls or (200 if a.cpu_smoke else 10_000), a.steps if a.steps != 25
+            else 10, a.timeout_s, a.deadline_s, backend=backend,
+        )  # fmt: skip
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import jax
 

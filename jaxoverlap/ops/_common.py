@@ -198,9 +198,9 @@ def register_lowerings(prim, op, reference_fn, keep_gathered=False):
                 reason = "the op is not lowered inside a jax.shard_map mesh context"
             else:
                 n = math.prod(mesh.shape[a] for a in params["axis_name"])
-                reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
-            if reason is None and keep_gathered and config.backend == "auto":
-                reason = fused.new_kernels_reason()
+                reason = fused.unsupported_reason(
+                    op, x_aval, w_aval, params, n, keep_gathered=keep_gathered
+                )
             if reason is None:
                 try:
                     return fused.lower(op, ctx, x, w, params, keep_gathered=keep_gathered)
@@ -212,7 +212,8 @@ def register_lowerings(prim, op, reference_fn, keep_gathered=False):
         return reference_lowering(ctx, x, w, **params)
 
     mlir.register_lowering(prim, reference_lowering)
-    # Not cached: every fused call gets its own `call_tag` (fused._call_tag, ffi/call_order.h).
+    # Not cached: every fused call gets its own `call_tag` (fused.call._call_tag,
+    # ffi/runtime/call_order.h).
     mlir.register_lowering(prim, cuda_lowering, platform="cuda", cacheable=False)
 
 

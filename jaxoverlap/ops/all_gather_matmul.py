@@ -7,11 +7,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 from jax.interpreters import ad, batching, mlir
 
 from jaxoverlap import fused, reference
 from jaxoverlap.ops import _common
+from jaxoverlap.ops.primitives import (
+    all_gather_matmul_keep_p,
+    all_gather_matmul_p,
+    all_gather_matmul_tangent_p,
+    dgrad_rs_wgrad_p,
+    matmul_reduce_scatter_p,
+)
 
 OP = "all_gather_matmul"
 
@@ -92,8 +98,6 @@ def _several(x, ws, axis_name, gather_dimension, config):
 
 # ----------------------------------------------------------------------------- primitive
 
-all_gather_matmul_p = core.Primitive(OP)
-
 
 def _abstract_eval(x, w, *, axis_name, gather_dimension, config, w_colmajor):
     del config, w_colmajor
@@ -107,12 +111,7 @@ def _abstract_eval(x, w, *, axis_name, gather_dimension, config, w_colmajor):
 
 all_gather_matmul_p.def_abstract_eval(_abstract_eval)
 
-# The variant that also returns the gathered x: the forward of a layer whose weight is trained
-# (dW = gathered^T @ ct needs it, as plain JAX keeps its all_gather's result), the backward of
-# matmul_reduce_scatter (ct gathered once for dx and dW), and all_gather_matmul with several
-# weights (the others multiply the gathered x). Internal: bound by this module only.
-all_gather_matmul_keep_p = core.Primitive(OP + "_keep")
-all_gather_matmul_keep_p.multiple_results = True
+# The variant that also returns the gathered x (`primitives.all_gather_matmul_keep_p`).
 
 
 def _keep_abstract_eval(x, w, *, axis_name, gather_dimension, **params):
@@ -140,8 +139,6 @@ def _transpose_x(ct, x, w, *, gather_dimension, **params):
     """d/dx: ``psum_scatter(ct @ w.T)`` -- the sibling matmul_reduce_scatter, reading ``w.T``
     in place (`_common.transposed_w`)."""
     del x
-    from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
-
     wt, params = _common.transposed_w(w, params)
     return matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
 
@@ -203,12 +200,8 @@ def _keep_batch(args, dims, **params):
     return jax.vmap(both, in_axes=tuple(dims))(*args), (0, 0)
 
 
-# The tangent ``all_gather(dx) @ w + g @ dw`` (g: the gathered x; the second term only
-# ``with_dw``) -- and, ``with_gathered``, ``all_gather(dx)`` itself -- as a linear primitive of
-# (dx[, dw]) with operands (dx, [dw,] g, w): its transpose gathers nothing and scatters dx's
-# cotangent once; with dw, in one op with dW's GEMM, so the collective hides behind it. Internal.
-all_gather_matmul_tangent_p = core.Primitive(OP + "_tangent")
-all_gather_matmul_tangent_p.multiple_results = True
+# The tangent of x and w together (`primitives.all_gather_matmul_tangent_p`): its transpose
+# gathers nothing and scatters dx's cotangent once, with dw in one op with dW's GEMM.
 
 
 def _split(args, with_dw):
@@ -263,12 +256,8 @@ def _tangent_transpose(cts, *args, gather_dimension, with_gathered, with_dw, **p
     # (fused where it wins, as before) and a plain GEMM for dW (fused.new_kernels_reason).
     sibling = params["config"].backend == "auto" and fused.new_kernels_reason() is not None
     if with_dw and gather_dimension < ct.ndim - 1 and not sibling:
-        from jaxoverlap.ops.dgrad_rs_wgrad import dgrad_rs_wgrad_p
-
         params = {**params, "scatter_dimension": gather_dimension}
         return result(*dgrad_rs_wgrad_p.bind(ct, wt, g, *extra, **params))
-    from jaxoverlap.ops.matmul_reduce_scatter import matmul_reduce_scatter_p
-
     if extra:  # one reduce-scatter for both, as plain JAX (XLA's)
         dx_ct = scatter(jnp.matmul(ct, wt) + extra[0], tiled=True)
     else:

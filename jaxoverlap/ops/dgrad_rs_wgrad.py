@@ -3,7 +3,7 @@
 For ``y = all_gather(x) @ w`` with a cotangent ``ct`` on y and the gathered x ``g`` kept from the
 forward: ``dx = psum_scatter(ct @ w.T [+ e])`` and ``dW = g.T @ ct``, as ``(dx, dW)``; ``e`` (an
 optional fourth operand) is the rest of the gathered x's cotangent when it fed other matmuls too.
-On GPUs the reduce-scatter runs beside the weight-gradient GEMM (`jaxoverlap.fused_backward`);
+On GPUs the reduce-scatter runs beside the weight-gradient GEMM (`jaxoverlap.fused.backward`);
 elsewhere, and where that cannot run, it is exactly what JAX's own autodiff computes.
 """
 
@@ -18,14 +18,12 @@ from jax import lax
 from jax._src import core
 from jax.interpreters import ad, batching, mlir
 
-from jaxoverlap import fused, fused_backward
+from jaxoverlap import fused
 from jaxoverlap.ops import _common
+from jaxoverlap.ops.primitives import dgrad_rs_wgrad_p
 
 OP = "all_gather_matmul (backward)"
 log = logging.getLogger("jaxoverlap")
-
-dgrad_rs_wgrad_p = core.Primitive("all_gather_matmul_backward")
-dgrad_rs_wgrad_p.multiple_results = True
 
 
 def _reference(ct, wt, g, *e, axis_name, scatter_dimension, **params):
@@ -70,10 +68,10 @@ def _cuda_lowering(ctx, ct, wt, g, *e, **params):
             for a in params["axis_name"]:
                 n *= mesh.shape[a]
             ct_aval, wt_aval = ctx.avals_in[:2]
-            reason = fused_backward.unsupported_reason(ct_aval, wt_aval, params, n)
+            reason = fused.backward.unsupported_reason(ct_aval, wt_aval, params, n)
         if reason is None:
             try:
-                return fused_backward.lower(ctx, ct, wt, g, *e, params=params)
+                return fused.backward.lower(ctx, ct, wt, g, *e, params=params)
             except fused.FusedUnavailable as e:
                 reason = str(e)
         if config.backend == "fused":

@@ -10,6 +10,7 @@ from jax.interpreters import ad, batching
 
 from jaxoverlap import reference
 from jaxoverlap.ops import _common
+from jaxoverlap.ops.primitives import matmul_all_reduce_p
 
 OP = "matmul_all_reduce"
 
@@ -43,8 +44,6 @@ def matmul_all_reduce(x, w, axis_name, *, config=None):
 
 
 # ----------------------------------------------------------------------------- primitive
-
-matmul_all_reduce_p = core.Primitive(OP)
 
 
 def _abstract_eval(x, w, *, axis_name, config, w_colmajor):

@@ -7,11 +7,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 from jax.interpreters import ad, batching, mlir
 
 from jaxoverlap import reference
 from jaxoverlap.ops import _common
+from jaxoverlap.ops.primitives import (
+    all_gather_matmul_keep_p,
+    all_gather_matmul_p,
+    matmul_reduce_scatter_p,
+    matmul_reduce_scatter_tangent_p,
+)
 
 OP = "matmul_reduce_scatter"
 
@@ -64,8 +69,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, config=None):
 
 # ----------------------------------------------------------------------------- primitive
 
-matmul_reduce_scatter_p = core.Primitive(OP)
-
 
 def _abstract_eval(x, w, *, axis_name, scatter_dimension, config, w_colmajor):
     del config, w_colmajor
@@ -83,10 +86,8 @@ matmul_reduce_scatter_p.def_abstract_eval(_abstract_eval)
 
 _common.register_lowerings(matmul_reduce_scatter_p, OP, reference.matmul_reduce_scatter)
 
-# The op's tangent when both x and w carry one, ``psum_scatter(dx @ w + x @ dw)``, as a linear
-# primitive of (dx, dw) so that its transpose can gather the cotangent once, fused with dx's
-# matmul, and hand the gathered cotangent to dW (`_tangent_transpose`). Internal.
-matmul_reduce_scatter_tangent_p = core.Primitive(OP + "_tangent")
+# The op's tangent when both x and w carry one (`primitives.matmul_reduce_scatter_tangent_p`);
+# its transpose is `_tangent_transpose`.
 
 
 def _tangent_reference(dx, dw, x, w, *, axis_name, scatter_dimension, **params):
@@ -111,8 +112,6 @@ def _gather_ct_matmul_wt(ct, w, *, axis_name, scatter_dimension, **params):
     """``(all_gather(ct) @ w.T, all_gather(ct))``: the sibling all_gather_matmul's variant that
     returns what it gathered, reading ``w.T`` in place, where it can express it."""
     if scatter_dimension < ct.ndim - 1:
-        from jaxoverlap.ops.all_gather_matmul import all_gather_matmul_keep_p
-
         wt, params = _common.transposed_w(w, params)
         return all_gather_matmul_keep_p.bind(
             ct, wt, axis_name=axis_name, gather_dimension=scatter_dimension, **params
@@ -126,8 +125,6 @@ def _transpose_x(ct, x, w, *, axis_name, scatter_dimension, **params):
     """d/dx: ``all_gather(ct) @ w.T`` -- the sibling all_gather_matmul where it can express it."""
     del x
     if scatter_dimension < ct.ndim - 1:
-        from jaxoverlap.ops.all_gather_matmul import all_gather_matmul_p
-
         wt, params = _common.transposed_w(w, params)
         return all_gather_matmul_p.bind(
             ct, wt, axis_name=axis_name, gather_dimension=scatter_dimension, **params

@@ -13,6 +13,9 @@ collective where that keeps the result within dtype tolerance (the rules are in 
 and `gathers`); anything else makes the pair a *near miss*, listed with the equation in between
 and how to move it. Every rule that says no names its reason; `Candidate` carries it to
 `jaxoverlap.explain`.
+
+This module is the vocabulary the rules share (`Graph`, `Match`, `Candidate`, ...) and imports
+none of them; `walk.find_matches` asks each rule module for the candidates of a jaxpr.
 """
 
 from __future__ import annotations
@@ -199,37 +202,6 @@ def eqn_name(eqn) -> str:
     body = eqn.params.get("call_jaxpr")
     func = getattr(getattr(body, "debug_info", None), "func_name", None)
     return f"{name} ({func})" if name.startswith("custom_") and func else name
-
-
-def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
-    """Every candidate of ``jaxpr`` (not of its sub-jaxprs), in equation order.
-
-    ``Match.reason`` is None for those that may be replaced (subject to the op accepting them).
-    """
-    from jaxoverlap.rewrite import gathers, reductions  # they import this module
-
-    g = Graph(jaxpr)
-    claimed: set[int] = set()
-    matches = []
-    for i, eqn in enumerate(jaxpr.eqns):
-        name = eqn.primitive.name
-        if name == "all_gather":
-            found = [gathers.match_all_gather(g, i, manual_axes)]
-        elif name == "reduce_scatter" or name in SUM_PRIMS:
-            found = [reductions.match_reduction(g, i, manual_axes)]
-        elif name.startswith("custom_vjp_call"):
-            found = gathers.custom_vjp_near_misses(g, i)
-        else:
-            continue
-        for m in found:
-            if m is None:
-                continue
-            if m.reason is None and (claimed & m.drop):
-                m.reason = "its matmul is already being fused with another collective"
-            if m.reason is None:
-                claimed.update(m.drop)
-            matches.append(m)
-    return matches
 
 
 ROUNDED = "the matmul's wider preferred_element_type, cast straight back, is the op's rounding"

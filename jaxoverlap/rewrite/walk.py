@@ -31,7 +31,9 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
 from jax.extend.core import ClosedJaxpr  # public alias; jax 0.12 merged it into Jaxpr
 
-from jaxoverlap.rewrite.patterns import Candidate, Match, find_matches
+from jaxoverlap import fused, ops
+from jaxoverlap.rewrite import gathers, patterns, reductions
+from jaxoverlap.rewrite.patterns import Candidate, Match
 
 # Primitives whose jaxpr-valued parameters are run as they are: safe to rewrite inside.
 _TRANSPARENT = frozenset(
@@ -77,6 +79,35 @@ def rewrite_closed_jaxpr(closed: ClosedJaxpr, config=None):
     if jaxpr is not closed.jaxpr:
         closed = ClosedJaxpr(jaxpr, closed.consts)
     return closed, state.candidates
+
+
+def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
+    """Every candidate of ``jaxpr`` (not of its sub-jaxprs), in equation order.
+
+    ``Match.reason`` is None for those that may be replaced (subject to the op accepting them).
+    """
+    g = patterns.Graph(jaxpr)
+    claimed: set[int] = set()
+    matches = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name == "all_gather":
+            found = [gathers.match_all_gather(g, i, manual_axes)]
+        elif name == "reduce_scatter" or name in patterns.SUM_PRIMS:
+            found = [reductions.match_reduction(g, i, manual_axes)]
+        elif name.startswith("custom_vjp_call"):
+            found = gathers.custom_vjp_near_misses(g, i)
+        else:
+            continue
+        for m in found:
+            if m is None:
+                continue
+            if m.reason is None and (claimed & m.drop):
+                m.reason = "its matmul is already being fused with another collective"
+            if m.reason is None:
+                claimed.update(m.drop)
+            matches.append(m)
+    return matches
 
 
 def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
@@ -157,8 +188,6 @@ def _shard_map_context(params):
 
 
 def _op_fn(op: str):
-    from jaxoverlap import ops  # deferred: jaxoverlap/__init__ imports this package
-
     return getattr(ops, op)
 
 
@@ -203,8 +232,6 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
 def _gpu_path(op: str, tiny: core.Jaxpr, config) -> str:
     """``"fused"``, or ``"reference: <why>"``, from the op's own avals and params (as its lowering
     decides at trace time; lowering can still fall back, e.g. for GPUs that are not peers)."""
-    from jaxoverlap import fused
-
     # several weights of one gathered x: the all_gather_matmul variant that returns x
     eqn = next((e for e in tiny.eqns if e.primitive.name in (op, op + "_keep")), None)
     if eqn is None or eqn.params["config"].backend == "xla":  # (several weights: plain ops)

@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_backward
+from jaxoverlap import Config, fused
+from jaxoverlap.fused import backward as fused_backward
 
 from .scripts import run_script
 

@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, tma
+from jaxoverlap import Config, fused
+from jaxoverlap.fused import tma
 
 from .scripts import run_script
 
@@ -230,7 +231,8 @@ _STALL_SCRIPT = textwrap.dedent(
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
     import jaxoverlap
-    from jaxoverlap import fused, tma
+    from jaxoverlap import fused
+    from jaxoverlap.fused import tma
     kernel, report, fault = sys.argv[1], sys.argv[2], sys.argv[3]
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     # stall: rank 1 never signals, its peer times out after 1 s. fail: rank 1's handler fails

@@ -1,5 +1,5 @@
 """The tile schedule of the fused GEMM + reduce-scatter (Config(schedule="tile"),
-jaxoverlap/fused_tile.py) on 2 GPUs of one process, against XLA's matmul + psum_scatter. Its
+jaxoverlap/fused/tile.py) on 2 GPUs of one process, against XLA's matmul + psum_scatter. Its
 stalled-peer and failed-rank cases are in test_gemm_rs_gpu.py (kernel "gemm_rs_tile"); with two
 processes sharing one GPU in test_xproc_gpu.py."""
 

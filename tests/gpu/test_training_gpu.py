@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import Config, fused, fused_backward
+from jaxoverlap import Config, fused
+from jaxoverlap.fused import backward as fused_backward
 
 from .scripts import run_script
 from .test_ag_gemm_gpu import assert_w_transposes_are_free

@@ -65,7 +65,7 @@ OPS = [
     "matmul_reduce_scatter_ce",
     "matmul_reduce_scatter_tile",  # Config(schedule="tile"): the epilogue communicates
     "matmul_reduce_scatter_tile_3d",  # ... over a middle dimension
-    "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused_cols.py)
+    "matmul_reduce_scatter_cols",  # the last dimension (jaxoverlap/fused/last_dim.py)
     "matmul_reduce_scatter_cols_3d",
     "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
     "all_gather_matmul_k_3d",

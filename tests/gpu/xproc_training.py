@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import Config, fused, fused_backward, runtime
+from jaxoverlap import Config, fused, runtime
+from jaxoverlap.fused import backward as fused_backward
 from tests.gpu import training_models
 
 FUSED = Config(backend="fused", timeout_s=60.0)

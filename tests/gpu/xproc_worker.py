@@ -332,7 +332,9 @@ def op_cases(mesh, arr, timeout_s, shapes=None):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, fused, fused_cols, tma
+    from jaxoverlap import Config, fused
+    from jaxoverlap.fused import last_dim as fused_cols
+    from jaxoverlap.fused import tma
 
     rng = np.random.default_rng(0)
 
@@ -364,7 +366,7 @@ def op_cases(mesh, arr, timeout_s, shapes=None):
     ag_args = (arr(xa, P("tp", None)), arr(wa, P(None, "tp")))
     ref_ag = xa.astype(np.float32) @ wa.astype(np.float32)
 
-    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused_cols.py)
+    def cols(spec):  # scatter_dimension=-1: the transposed problem (jaxoverlap/fused/last_dim.py)
         return op(
             lambda a, b: jaxoverlap.matmul_reduce_scatter(
                 a, b, "tp", scatter_dimension=-1, config=cfg

@@ -1,22 +1,21 @@
 """The standalone TMA reduce-scatter (private-ish API, for the bandwidth benchmark and tools):
 ``lax.psum_scatter`` by jaxoverlap's communication kernel, the one the fused GEMM + reduce-scatter
-uses for its communication side. Built on `jaxoverlap.fused`'s group tables and attributes."""
+uses for its communication side. Its call is emitted by `jaxoverlap.fused.call.emit`, as every
+fused call is."""
 
 from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 from jax import lax
 from jax._src import core
 from jax.interpreters import mlir
 
-from jaxoverlap import runtime
 from jaxoverlap.config import DEFAULT_TIMEOUT_S, check_timeout
-from jaxoverlap.fused import _SUPPORTED, _group_table, _profile, _table_attrs
+from jaxoverlap.fused import call, policy
+from jaxoverlap.fused.targets import RS_TARGET
 
-RS_TARGET = "jaxoverlap_rs_v1"
 DEFAULT_RS_COMM_SMS = 16
 
 tma_reduce_scatter_p = core.Primitive("jaxoverlap_tma_reduce_scatter")
@@ -73,11 +72,11 @@ def _rs_reference(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
 
 def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
     (aval,) = ctx.avals_in
-    if not any(aval.dtype == np.dtype(t) for t in _SUPPORTED):
+    if not any(aval.dtype == np.dtype(t) for t in policy._SUPPORTED):
         return _rs_reference(
             ctx, x, axis_name=axis_name, comm_sms=comm_sms, chunks=chunks, timeout_s=timeout_s
         )
-    table = _group_table(ctx, axis_name)
+    table = call._group_table(ctx, axis_name)
     block_bytes = aval.size * aval.dtype.itemsize // table.n
     if block_bytes % 16:
         raise ValueError(
@@ -86,10 +85,17 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
         )
     if chunks is None:
         chunks = next(c for c in (16, 8, 4, 2, 1) if block_bytes % (16 * c) == 0)
-    runtime.register_targets()
-    kind = (RS_TARGET, tuple(aval.shape), str(aval.dtype))
-    attrs = _table_attrs(table, comm_sms, chunks, timeout_s, kind, ctx, (block_bytes, False, False))
-    return jax.ffi.ffi_lowering(RS_TARGET)(ctx, x, profile=_profile.get(), **attrs)
+    row = tuple(reversed(range(aval.ndim)))  # row-major, as jax.ffi.ffi_lowering's default
+    spec = call.Spec(
+        kind=(RS_TARGET, tuple(aval.shape), str(aval.dtype)),
+        comm_sms=comm_sms,
+        chunks=chunks,
+        timeout_s=timeout_s,
+        workspace=(block_bytes, False, False),
+        operand_layouts=(row,),
+        result_layouts=(row,),
+    )
+    return call.emit(ctx, table, spec, x)
 
 
 tma_reduce_scatter_p.def_abstract_eval(_rs_abstract)

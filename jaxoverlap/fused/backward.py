@@ -3,27 +3,27 @@
 For ``y = all_gather(x) @ w`` trained in both x and w, the backward needs
 ``dx = psum_scatter(ct @ w.T)`` and ``dW = all_gather(x).T @ ct``. XLA runs the reduce-scatter
 between the two GEMMs with nothing beside it (measured: every collective of a TP layer's step is
-exposed). The custom call ``jaxoverlap_dgrad_rs_wgrad_v1`` (ffi/bulk_ffi.cc) runs the dgrad GEMM
+exposed). The custom call ``jaxoverlap_dgrad_rs_wgrad_v1`` (ffi/handlers/dgrad_rs_wgrad.cc) runs
+the dgrad GEMM
 whole, pushes the peers' blocks of its result with the copy engine while the weight-gradient GEMM
 runs, then sums what arrived: the reduce-scatter hides behind dW's GEMM and neither GEMM is split
 (Transformer Engine's "bulk" overlap of the backward, without SMs for the communication).
 
-Same contract as `jaxoverlap.fused`: ``unsupported_reason`` at trace time, ``lower`` at lowering
-time (raises `fused.FusedUnavailable`).
+Same contract as `jaxoverlap.fused.dispatch`: ``unsupported_reason`` at trace time, ``lower`` at
+lowering time (raises `call.FusedUnavailable`).
 """
 
 from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 from jax._src import core
 
-from jaxoverlap import fused, runtime, topology, xproc
-
-TARGET = "jaxoverlap_dgrad_rs_wgrad_v1"
-ACC_TARGET = "jaxoverlap_dgrad_rs_wgrad_acc_v1"  # with e[M, K] added to ct @ w.T
+from jaxoverlap import runtime, topology, xproc
+from jaxoverlap.fused import call, policy
+from jaxoverlap.fused.targets import DGRAD_RS_WGRAD_ACC_TARGET as ACC_TARGET
+from jaxoverlap.fused.targets import DGRAD_RS_WGRAD_TARGET as TARGET
 
 # backend="auto" where untuned (not measured yet: a bandwidth model). The push of (n - 1) blocks
 # of m x K (copy engine, ~390 GB/s) must fit under the wgrad GEMM (2 M K N flops, ~650 TFLOP/s):
@@ -38,10 +38,10 @@ def unsupported_reason(ct, wt, params, axis_size):
     why = runtime.unavailable_reason()
     if why:
         return why
-    if ct.dtype != wt.dtype or not any(ct.dtype == np.dtype(t) for t in fused._SUPPORTED):
+    if ct.dtype != wt.dtype or not any(ct.dtype == np.dtype(t) for t in policy._SUPPORTED):
         return f"the fused kernel supports bfloat16 and float16, not {ct.dtype}"
     d = params["scatter_dimension"]
-    if d >= ct.ndim - 1:  # other dimensions: major-most in the call's layout (fused.rows_major)
+    if d >= ct.ndim - 1:  # other dimensions: major-most in the call's layout (call.rows_major)
         return (
             f"the fused backward scatters blocks of rows of ct[..., N]; dimension {d} of "
             f"ct{tuple(ct.shape)} is N"
@@ -56,7 +56,7 @@ def unsupported_reason(ct, wt, params, axis_size):
     block = rows // n * k
     if k % 8 or n_cols % 8 or block % 128:
         return f"K={k}, N={n_cols} must be multiples of 8 and rows/n x K of 128 elements"
-    if params["config"].backend == "auto" and (why := fused.new_kernels_reason()):
+    if params["config"].backend == "auto" and (why := policy.new_kernels_reason()):
         return why
     if params["config"].backend == "auto" and (n_cols < _AUTO_MIN_N or block < _AUTO_MIN_BLOCK):
         return (
@@ -70,24 +70,32 @@ def lower(ctx, ct, wt, g, *e, params):
     """The custom call; returns [dx, dW] (its third result, a scratch for ct @ w.T, is XLA's
     buffer: no memory held between calls). ``e``: the optional addend of ct @ w.T."""
     ct_aval, wt_aval, g_aval = ctx.avals_in[:3]
-    table = fused._group_table(ctx, params["axis_name"])
-    runtime.register_targets()
-    target = ACC_TARGET if e else TARGET
-    kind = (target, *fused._operands_kind(ct_aval, wt_aval, params), tuple(g_aval.shape))
+    table = call._group_table(ctx, params["axis_name"])
     rows = math.prod(ct_aval.shape[:-1])
-    spec = (xproc.spec_bytes(rows // table.n, wt_aval.shape[1], ct_aval.dtype), False, False)
-    attrs = fused._table_attrs(table, 0, 1, params["config"].timeout_s, kind, ctx, spec)
-    colmajor = bool(params["w_colmajor"])
     d = params["scatter_dimension"]
-    major = lambda a: fused.rows_major(a.shape, d)  # noqa: E731  (blocks of rows contiguous)
-    layouts = [major(ct_aval), (0, 1) if colmajor else (1, 0), major(g_aval)]
-    layouts += [major(a) for a in ctx.avals_in[3:]]
-    scratch = core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype)
-    dx_aval = ctx.avals_out[0]
-    result_layouts = [major(dx_aval), (1, 0), (1, 0)]  # dx, dW, the scratch
-    call = jax.ffi.ffi_lowering(target, operand_layouts=layouts, result_layouts=result_layouts)
-    inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
-    results = call(
-        inner, ct, wt, g, *e, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs
+    major = lambda a: call.rows_major(a.shape, d)  # noqa: E731  (blocks of rows contiguous)
+    spec = call.Spec(
+        kind=(
+            ACC_TARGET if e else TARGET,
+            *call._operands_kind(ct_aval, wt_aval, params),
+            tuple(g_aval.shape),
+        ),
+        comm_sms=0,
+        chunks=1,
+        timeout_s=params["config"].timeout_s,
+        workspace=(
+            xproc.spec_bytes(rows // table.n, wt_aval.shape[1], ct_aval.dtype),
+            False,
+            False,
+        ),
+        operand_layouts=(
+            major(ct_aval),
+            call.w_layout(params),
+            major(g_aval),
+            *(major(a) for a in ctx.avals_in[3:]),
+        ),
+        result_layouts=(major(ctx.avals_out[0]), (1, 0), (1, 0)),  # dx, dW, the scratch
+        attrs=dict(w_colmajor=int(params["w_colmajor"])),
+        scratch=(core.ShapedArray((rows, wt_aval.shape[1]), ct_aval.dtype),),
     )
-    return list(results)[:2]
+    return call.emit(ctx, table, spec, ct, wt, g, *e)

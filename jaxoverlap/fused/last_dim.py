@@ -11,7 +11,8 @@ copy on either side of the call:
   ``ct @ w.T``), that array read row-major;
 * ``x.T`` [K, M] is ``x`` ([..., K] flattened to [M, K], row-major) read column-major;
 * the custom call is jaxoverlap_gemm_rs_v1 with ``x_colmajor=1``: its A operand (``w.T``) is
-  column-major, a rank's row block is a block of it with leading dimension N (ffi/gemm_rs_ffi.cc);
+  column-major, a rank's row block is a block of it with leading dimension N
+  (ffi/handlers/gemm_rs.cc);
 * its result, ``out.T`` [N / n, M] row-major, is declared as ``out`` [M, N / n] column-major, so
   XLA copies it only where a consumer needs row-major (an elementwise consumer reads it as is).
 
@@ -19,7 +20,8 @@ Everything else -- the schedule, the workspace, the failure path, the tuner's se
 for the transposed GEMM, N x K x M) -- is the row-scatter's.
 
 Gathering K (``all_gather(x, axis=-1) @ w``, x [..., K / n], the JAX docs' layout) is
-``sum_p x_p @ w[K-block p]``: jaxoverlap_ag_gemm_k_v1 (ffi/ag_ffi.cc) pushes the blocks by copy
+``sum_p x_p @ w[K-block p]``: jaxoverlap_ag_gemm_k_v1 (ffi/handlers/ag_gemm.cc) pushes the blocks
+by copy
 engine as the row gather does, starts with the own block's GEMM at once and adds each arriving
 block's GEMM into a float32 scratch (an extra XLA result, no memory held between calls), rounded
 once at the end -- as XLA's single GEMM rounds once, not once per block. Forward only: the
@@ -30,23 +32,25 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 from jax._src import core
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir.dialects import hlo
 
-from jaxoverlap import fused, xproc
+from jaxoverlap import xproc
+from jaxoverlap.fused import call, policy
+from jaxoverlap.fused.targets import AG_K_TARGET, GEMM_RS_TARGET
 
 MIN_CHUNK_ROWS = 128  # a chunk's first row of the column-major w.T stays 256-byte aligned
 
 
 def choose_chunks(m, k, n_cols, requested=None):
-    """`fused.choose_chunks` for the transposed problem (``m`` = N / n rows per rank, ``n_cols``
+    """`policy.choose_chunks` for the transposed problem (``m`` = N / n rows per rank, ``n_cols``
     = M), with rows per chunk a multiple of 128 (A column-major: each chunk starts 2 x rows
     bytes into it)."""
     options = (requested,) if requested else (4, 2, 1)
     for c in options:
-        c = fused.choose_chunks(m, k, n_cols, c)
+        c = policy.choose_chunks(m, k, n_cols, c)
         if c and (m // c) % MIN_CHUNK_ROWS == 0:
             return c
     return None
@@ -67,19 +71,16 @@ def unsupported_reason(x, w, params, n):
             f"alignment: the scattered dimension's block per rank ({n_cols // n}) must split "
             f"into chunks of a multiple of {MIN_CHUNK_ROWS} rows (the transposed problem)"
         )
-    comm_sms = config.comm_sms or fused.DEFAULT_COMM_SMS
+    comm_sms = config.comm_sms or policy.DEFAULT_COMM_SMS
     if config.comm_sms == 0:
         return "the copy-engine reduce-scatter (comm_sms=0) does not scatter the last dimension"
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        if why := fused.new_kernels_reason():  # not yet run on two GPUs
+        if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the last dimension, through the transposed problem)"
-        return fused._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n)
+        return policy._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n)
     return None
-
-
-AG_K_TARGET = "jaxoverlap_ag_gemm_k_v1"
 
 
 def unsupported_reason_k(x, w, params, n):
@@ -100,9 +101,9 @@ def unsupported_reason_k(x, w, params, n):
         )
     config = params["config"]
     if config.backend == "auto":
-        if why := fused.new_kernels_reason():  # not yet run on two GPUs
+        if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the all-gather along K)"
-        return fused._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n)
+        return policy._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n)
     return None
 
 
@@ -110,59 +111,59 @@ def lower_k(ctx, x, w, params, table, keep_gathered):
     """The custom call of the all-gather along K: x as is, w row- or column-major, results
     out [..., N] and the float32 scratch (dropped)."""
     if keep_gathered:
-        raise fused.FusedUnavailable(
+        raise call.FusedUnavailable(
             "along K, the all-gather that also returns x (for a trained weight's dW) is not fused"
         )
     x_aval, w_aval = ctx.avals_in
     m_total, kl = math.prod(x_aval.shape[:-1]), x_aval.shape[-1]
-    config = params["config"]
-    kind = (AG_K_TARGET, *fused._operands_kind(x_aval, w_aval, params))
-    spec = (xproc.spec_bytes(m_total, kl, x_aval.dtype), False, False)  # x's block
-    attrs = fused._table_attrs(table, 0, 1, config.timeout_s, kind, ctx, spec)
-    colmajor = bool(params["w_colmajor"])
     row = lambda a: tuple(reversed(range(a.ndim)))  # noqa: E731  (minor-to-major)
-    scratch = core.ShapedArray((m_total, w_aval.shape[1]), np.float32)
-    call = jax.ffi.ffi_lowering(
-        AG_K_TARGET,
-        operand_layouts=[row(x_aval), (0, 1) if colmajor else (1, 0)],
-        result_layouts=[row(a) for a in ctx.avals_out] + [(1, 0)],
+    spec = call.Spec(
+        kind=(AG_K_TARGET, *call._operands_kind(x_aval, w_aval, params)),
+        comm_sms=0,
+        chunks=1,
+        timeout_s=params["config"].timeout_s,
+        workspace=(xproc.spec_bytes(m_total, kl, x_aval.dtype), False, False),  # x's block
+        operand_layouts=(row(x_aval), call.w_layout(params)),
+        result_layouts=(*(row(a) for a in ctx.avals_out), (1, 0)),
+        attrs=dict(w_colmajor=int(params["w_colmajor"])),
+        scratch=(core.ShapedArray((m_total, w_aval.shape[1]), np.float32),),
     )
-    inner = ctx.replace(avals_out=[*ctx.avals_out, scratch])
-    results = call(inner, x, w, profile=fused._profile.get(), w_colmajor=int(colmajor), **attrs)
-    return list(results)[: len(ctx.avals_out)]
+    return call.emit(ctx, table, spec, x, w)
 
 
 def lower(ctx, x, w, params, table):
-    """The custom call of the transposed problem (see the module docstring)."""
+    """The custom call of the transposed problem (see the module docstring): its operands
+    ``w.T`` and ``x.T`` (transposes XLA makes bitcasts: the layouts below are w's and x's own)
+    and its result ``out.T`` declared as ``out`` column-major."""
     x_aval, w_aval = ctx.avals_in
     (out_aval,) = ctx.avals_out
     config = params["config"]
     n = table.n
     m_total, k, n_cols = math.prod(x_aval.shape[:-1]), x_aval.shape[-1], w_aval.shape[1]
-    setting = fused.tuned_setting("matmul_reduce_scatter", n_cols, k, m_total, x_aval.dtype, n)
+    dtype = x_aval.dtype
+    setting = policy.tuned_setting("matmul_reduce_scatter", n_cols, k, m_total, dtype, n)
     if not setting[1]:  # a copy-engine entry (comm_sms=0): no such variant here, the defaults
-        setting = fused._DEFAULT_SETTING
+        setting = policy._DEFAULT_SETTING
     chunks = choose_chunks(n_cols // n, k, m_total, config.chunks or setting[0])
     chunks = chunks or choose_chunks(n_cols // n, k, m_total)
-    comm_sms = config.comm_sms or setting[1]
-    target = fused.GEMM_RS_TARGET
-    # w's layout too (fused._operands_kind): the forward (A column-major) and a backward's
-    # (A = a transposed weight, row-major) must not share a workspace's warm-up.
-    kind = (target, "cols", *fused._operands_kind(x_aval, w_aval, params))
-    spec = (xproc.spec_bytes(n_cols // n, m_total, x_aval.dtype), True, False)
-    attrs = fused._table_attrs(table, comm_sms, chunks, config.timeout_s, kind, ctx, spec)
     a_col = not params["w_colmajor"]  # w.T column-major, unless w is a transpose already
-    attrs.update(profile=fused._profile.get(), w_colmajor=1, x_colmajor=int(a_col))
-    dtype = x_aval.dtype
-
-    def call(x, w):
-        call = jax.ffi.ffi_call(
-            target,
-            jax.ShapeDtypeStruct((m_total, n_cols // n), dtype),
-            input_layouts=[(1, 0) if a_col else (0, 1), (1, 0)],  # major-to-minor
-            output_layouts=(1, 0),  # out [M, N / n] column-major: out.T row-major
-        )
-        out_t = call(w.T, x.reshape(m_total, k).T, **attrs)
-        return out_t.reshape(out_aval.shape)
-
-    return mlir.lower_fun(call, multiple_results=False)(ctx, x, w)
+    spec = call.Spec(
+        # w's layout too (call._operands_kind): the forward (A column-major) and a backward's
+        # (A = a transposed weight, row-major) must not share a workspace's warm-up.
+        kind=(GEMM_RS_TARGET, "cols", *call._operands_kind(x_aval, w_aval, params)),
+        comm_sms=config.comm_sms or setting[1],
+        chunks=chunks,
+        timeout_s=config.timeout_s,
+        workspace=(xproc.spec_bytes(n_cols // n, m_total, dtype), True, False),
+        operand_layouts=((0, 1) if a_col else (1, 0), (0, 1)),  # minor-to-major
+        result_layouts=((0, 1),),  # out [M, N / n] column-major: out.T row-major
+        attrs=dict(w_colmajor=1, x_colmajor=int(a_col)),
+    )
+    wt_aval = core.ShapedArray((n_cols, k), dtype)
+    x2_aval, xt_aval = core.ShapedArray((m_total, k), dtype), core.ShapedArray((k, m_total), dtype)
+    out2_aval = core.ShapedArray((m_total, n_cols // n), dtype)
+    wt = hlo.transpose(w, mlir.dense_int_array([1, 0]))
+    xt = hlo.transpose(mlir.reshape(ctx, x, x2_aval), mlir.dense_int_array([1, 0]))
+    inner = ctx.replace(avals_in=[wt_aval, xt_aval], avals_out=[out2_aval])
+    (out_t,) = call.emit(inner, table, spec, wt, xt)
+    return [mlir.reshape(ctx, out_t, out_aval)]

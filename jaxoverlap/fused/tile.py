@@ -6,7 +6,9 @@ staging in peer memory and publishes a flag per 16-row slab; the own block's til
 (bounded) for the peers' slabs of the same tile, add them to the f32 accumulators in rank order
 and round once. There is no split GEMM, no communication kernel and no SM partition: the chunked
 schedule's two measured costs (splitting the GEMM, the last chunk's push on 4 SMs) are gone by
-construction (ffi/kernels/tile_rs.h has the protocol, ffi/gemm_rs_tile_ffi.cc the call).
+construction (ffi/kernels/tile_rs.h has the protocol, ffi/handlers/gemm_rs_tile.cc the call).
+Which calls take it: `policy.rows_setting` (the config, or the tuner's entry); this module checks
+what the kernel supports and describes its call for `call.emit`.
 
 Supported: bfloat16, rows per rank a multiple of 256 (two 128-row tiles of a cluster), K and N
 multiples of 8, 2..8 GPUs, w row- or column-major (``ct @ w.T`` in a backward), x in rows (any
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxoverlap import fused
+from jaxoverlap.fused import call, policy
+from jaxoverlap.fused.targets import GEMM_RS_TILE_TARGET as TARGET
 
-TARGET = fused.GEMM_RS_TILE_TARGET
 ROW_ALIGN = 256  # kTileRowAlign in ffi/kernels/tile_rs.h
 TILE_M, TILE_N, SLABS = 128, 256, 8  # kTileM, kTileN, kTileSlabs
 # Cluster rows (256 rows of x) per raster band: 8 was as fast as or faster than 1, 2 and 4 on
@@ -57,9 +59,9 @@ def slot_bytes(m, n_cols):
 def lower(ctx, x, w, params, table, swizzle):
     """The tile schedule's custom call (its workspace: one slot per source)."""
     x_aval, w_aval = ctx.avals_in
-    m = fused._rows(x_aval.shape) // table.n
-    kind = (TARGET, *fused._operands_kind(x_aval, w_aval, params))
-    spec = (slot_bytes(m, w_aval.shape[1]), False, False)  # xproc maps it across processes
-    config = params["config"]
-    attrs = fused._table_attrs(table, 0, 1, config.timeout_s, kind, ctx, spec)
-    return fused._ffi_call(TARGET, ctx, x, w, params, dict(attrs, swizzle=int(swizzle)))
+    m = policy._rows(x_aval.shape) // table.n
+    workspace = (slot_bytes(m, w_aval.shape[1]), False, False)  # xproc maps it across processes
+    spec = call.row_spec(
+        ctx, params, TARGET, 0, 1, workspace, swizzle=int(swizzle or DEFAULT_SWIZZLE)
+    )
+    return call.emit(ctx, table, spec, x, w)

@@ -1,0 +1,217 @@
+"""One fused custom call, emitted in one place: `emit`.
+
+The schedule modules (`rows`, `last_dim`, `tile`, `backward`, `tma`) decide *what* a call is --
+its target, settings, workspace and layouts, from `jaxoverlap.fused.policy` -- and describe it
+as a `Spec`; `emit` does *how*, the same way for every target: register the extension's targets,
+derive the workspace key (`site_key`) and the call tag (`_call_tag`), map the workspace across
+processes where the group spans them (`xproc.prepare`, in `_table_attrs`), add the attributes
+every call carries (group table, settings, timeout, the test-only and tool-only knobs) and emit
+the custom call (``jax.ffi.ffi_lowering``). No other module of the package emits one
+(tests/test_structure.py checks it).
+
+Also here: the group table of a call's mesh (`_group_table`, which also decides whether the
+devices can run the fused kernels at all) and the custom call's row layout (`rows_major`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import jax
+
+from jaxoverlap import runtime, topology, xproc
+from jaxoverlap.fused import targets
+from jaxoverlap.fused.knobs import _profile, _stall_rank, _stall_target
+
+
+class FusedUnavailable(Exception):
+    """The fused path cannot run for this call; the message says why."""
+
+
+def _group_table(ctx, axis_name):
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None:
+        raise FusedUnavailable("not lowered inside shard_map (no mesh in the lowering context)")
+    try:
+        table = topology.group_table(mesh, axis_name)
+    except topology.TopologyError as e:
+        raise FusedUnavailable(str(e)) from None
+    if runtime.native() is None:
+        raise FusedUnavailable(runtime.unavailable_reason())
+    process = topology.this_process()
+    why = topology.unfusable_reason(
+        table,
+        process_index=process,
+        can_access_peer=runtime.can_access_peer,
+        compute_capability=runtime.compute_capability,
+        peer_link=runtime.peer_link,
+        cross_process=xproc.decide if xproc.client() is not None else None,
+    )
+    if why:
+        raise FusedUnavailable(why)
+    return topology.local_rows(table, process)  # ordinals are per process
+
+
+def site_key(table, comm_sms, chunks, kind):
+    """The workspace key of a call (the ``site`` attribute): a hash of what every rank and every
+    process knows identically -- the group table, the settings and ``kind`` (the op's target,
+    operand shapes and dtype, ...) -- never a per-process counter. Calls with equal keys share
+    one workspace (ffi/runtime/runtime.h: fresh jit wrappers, unrolled layers of one op); different
+    ops
+    and shapes never do. Two programs that contain the same op and shapes (a train and an eval
+    step) share it too. Every rank must then issue their calls in one order: XLA launches
+    programs from several Python threads in one order on every GPU today, and each call is
+    checked (`_call_tag`, ffi/runtime/call_order.h): calls paired out of order are given up on every
+    rank (NaN outputs) and reported like a timeout (`check_errors`, or the next fused call
+    raises), never run on each other's data (docs/call-order.md)."""
+    # A table with members in other processes: the whole mesh's groups (global ids), so that every
+    # process derives the same key for the same workspace (jaxoverlap/xproc.py names it by it).
+    groups = table.whole if topology.spans_processes(table) else table.groups.tolist()
+    text = repr((groups, int(comm_sms), int(chunks), _profile.get()) + tuple(kind))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _call_tag(ctx, site):
+    """Which fused call of its program this is (the ``call_tag`` attribute; with XLA's run id of
+    the launch it names the logical call that ffi/runtime/call_order.h compares across ranks): a
+    hash of
+    the module's name and how many calls with the same workspace key were lowered before it in
+    that module. The same on every device (one lowering per program) and in every process (no
+    counter, so compilation caches still hit)."""
+    if ctx is None:
+        return 0
+    module = ctx.module_context
+    try:
+        name = str(module.module.operation.attributes["sym_name"])
+        counts = module.cached_primitive_lowerings.setdefault(("jaxoverlap", "call_tags"), {})
+    except (AttributeError, KeyError):  # another jax's lowering context: run ids alone
+        return 0
+    nth = counts.get(site, 0)
+    counts[site] = nth + 1
+    text = repr((name, int(site), nth))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None, spec=None):
+    """The attributes of a fused call. ``spec``: its workspace as the handler sizes it,
+    (block_bytes, partials, gather area), which a group spanning processes maps now
+    (`xproc.prepare`)."""
+    site = site_key(table, comm_sms, chunks, kind)
+    if topology.spans_processes(table):
+        if spec is None:
+            raise FusedUnavailable(f"{kind[:1]} has no workspace across processes")
+        xproc.prepare(table, site, spec, (*kind, int(comm_sms), int(chunks), _profile.get()))
+    return dict(
+        site=site,
+        call_tag=_call_tag(ctx, site),
+        ordinals=table.ordinals,
+        ranks=table.ranks,
+        groups=table.groups.reshape(-1),
+        n=int(table.n),
+        comm_sms=int(comm_sms),
+        chunks=int(chunks),
+        timeout_s=float(timeout_s),
+        stall_rank=int(_stall_rank.get()) if _stall_target.get() in (None, *kind[:1]) else -1,
+    )
+
+
+def _operands_kind(x_aval, w_aval, params):
+    """What of the operands goes into the workspace key: shapes, dtype and w's layout (its GEMM
+    plans differ, and a workspace's warm-up loads the GEMM kernels of its calls only)."""
+    return (tuple(x_aval.shape), tuple(w_aval.shape), str(x_aval.dtype), bool(params["w_colmajor"]))
+
+
+def rows_major(shape, dim):
+    """The minor-to-major layout that puts dimension ``dim`` of ``shape`` major-most and keeps
+    the others in order: the gathered/scattered dimension's blocks are then contiguous rows of
+    ``[..., K]``. Row-major where that is already so (``dim`` 0, or only size-1 dimensions
+    before it). XLA transposes to and from it where the producer or consumer cannot take it as
+    is (an elementwise producer writes any layout for free)."""
+    ndim = len(shape)
+    if math.prod(shape[:dim]) == 1:
+        return tuple(reversed(range(ndim)))
+    return tuple(i for i in reversed(range(ndim)) if i != dim) + (dim,)
+
+
+def row_dim(params):
+    """The gathered/scattered dimension of an op's params (0 for the all-reduce)."""
+    return params.get("gather_dimension", params.get("scatter_dimension", 0))
+
+
+def w_layout(params):
+    """w's minor-to-major layout: column-major when ``params["w_colmajor"]`` (w is the transpose
+    of a row-major array: XLA then passes that array as is, and the kernel reads it as
+    cuBLASLt's transposed operand), else row-major."""
+    return (0, 1) if params["w_colmajor"] else (1, 0)
+
+
+def row_layouts(ctx, params):
+    """(operand layouts, result layouts) of a call over rows: x and its results with the
+    gathered/scattered dimension major-most (`rows_major`; a result of another rank, such as the
+    gathered x of a 2-D call, row-major), w as `w_layout` says."""
+    x_aval = ctx.avals_in[0]
+    d = row_dim(params)
+    results = [rows_major(a.shape, d if a.ndim == x_aval.ndim else 0) for a in ctx.avals_out]
+    return (rows_major(x_aval.shape, d), w_layout(params)), tuple(results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one custom call is. ``kind``: the target and what else names its workspace (operand
+    shapes, dtype, layouts; `site_key`); ``workspace``: (block_bytes, partials, gather) as the
+    handler sizes it (a group spanning processes maps it at lowering, `xproc.prepare`);
+    ``attrs``: the target's own attributes beyond the common ones; ``scratch``: avals of extra
+    results the handler uses as scratch (XLA's buffers, dropped after the call)."""
+
+    kind: tuple
+    comm_sms: int
+    chunks: int
+    timeout_s: float
+    workspace: tuple
+    operand_layouts: tuple
+    result_layouts: tuple
+    attrs: dict = dataclasses.field(default_factory=dict)
+    scratch: tuple = ()
+
+    @property
+    def target(self):
+        return self.kind[0]
+
+
+def row_spec(ctx, params, target, comm_sms, chunks, workspace, **attrs):
+    """The `Spec` of a call over rows of x (`row_layouts`) with operands (x, w)."""
+    x_aval, w_aval = ctx.avals_in
+    layouts, result_layouts = row_layouts(ctx, params)
+    attrs.update(w_colmajor=int(params["w_colmajor"]))
+    if target in (targets.GEMM_RS_TARGET, targets.GEMM_AR_TARGET):  # fused/last_dim.py: 1
+        attrs.update(x_colmajor=0)
+    return Spec(
+        kind=(target, *_operands_kind(x_aval, w_aval, params)),
+        comm_sms=comm_sms,
+        chunks=chunks,
+        timeout_s=params["config"].timeout_s,
+        workspace=workspace,
+        operand_layouts=layouts,
+        result_layouts=result_layouts,
+        attrs=attrs,
+    )
+
+
+def emit(ctx, table, spec, *operands):
+    """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`); returns
+    its results (without the scratch)."""
+    runtime.register_targets()
+    attrs = _table_attrs(
+        table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
+    )
+    attrs.update(profile=_profile.get(), **spec.attrs)
+    inner = ctx.replace(avals_out=[*ctx.avals_out, *spec.scratch]) if spec.scratch else ctx
+    lowering = jax.ffi.ffi_lowering(
+        spec.target,
+        operand_layouts=list(spec.operand_layouts),
+        result_layouts=list(spec.result_layouts),
+    )
+    results = lowering(inner, *operands, **attrs)
+    return list(results)[: len(ctx.avals_out)] if spec.scratch else results

@@ -1,0 +1,194 @@
+"""When the fused path runs, and with which settings: the rules, the tuner's entries, the chunk
+choice. Decisions only -- no custom call is built here (`jaxoverlap.fused.call`), and which
+schedule serves a call is `jaxoverlap.fused.dispatch`'s. The same functions answer at trace time
+(`dispatch.unsupported_reason`, which the ops' lowering and ``explain`` ask), at lowering (the
+settings: `rows_setting`, `ag_rows_chunks`, `tuned_setting`) and in the tuner (`choose_chunks`,
+`AUTO_NEW_KERNELS`), so the three never disagree.
+
+What ``backend="auto"`` may pick: the kernels measured on two GPUs, by the tuner's entry for the
+op and shape, else by the conservative rules below; the kernels not yet measured there only with
+``JAXOVERLAP_AUTO_NEW_KERNELS=1`` (`new_kernels_reason`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoverlap import xproc
+from jaxoverlap.fused import cache, targets
+
+MAX_CHUNKS = 16  # kMaxChunks in ffi/kernels/common.cuh
+_SUPPORTED = (jnp.bfloat16, jnp.float16)
+
+# Without tuning data (jaxoverlap.tune), the setting that won most often on 2x H200, and a
+# conservative rule for backend="auto": at tp=2, M >= 2048, N >= 4096 and 4096 <= K_local <= 8192
+# the fused op measured faster than XLA beyond the run-to-run spread on every shape tried; the
+# communication to hide shrinks relative to the GEMM as K grows (at K_local = 14336: 1.05, 1.04,
+# 1.01 and 0.95x of XLA over four runs). Anything else takes XLA's path until it is tuned.
+_DEFAULT_SETTING = (2, 4)  # (chunks, comm_sms)
+_AUTO_MIN = (2048, 4096, 4096)
+_AUTO_MAX_K = 8192
+DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best, see above)
+
+# all_gather_matmul, backend="auto" where untuned. The fused op pushes x with the copy engine (no
+# SMs) while the GEMM of the own block runs, so it costs the GEMM little when one block's copy
+# (m*K*2 bytes at ~350 GB/s) is shorter than the own block's GEMM (2*m*K*N flops at ~650
+# TFLOP/s): their ratio is N_local / ~1860, independent of m and K. Measured on 2x H200
+# (docs/measurements.md, run 18): fused was faster than XLA's all_gather -> matmul on all nine
+# shapes tried (1.05-1.49x), N_local 2048-14336, gathered M 4096-16384, K 4096-16384. The rule
+# covers that range at tp=2 (the only group measured); anything else waits for the tuner.
+_AG_AUTO_MIN = (4096, 4096, 2048)  # (gathered rows, K, N_local)
+
+
+def tuned(op, m_total, k, n_cols, dtype, n):
+    """The tuner's entry for this op and shape on this machine's GPUs, or None."""
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return None
+    key = cache.Key(
+        op, m_total, k, n_cols, str(np.dtype(dtype)), n,
+        devices[0].device_kind,
+    )  # fmt: skip
+    entry = cache.lookup(key)
+    if jax.process_count() > 1:  # every process lowers the same program (xproc.agree)
+        entry = xproc.agree("tuned/" + xproc.exchange_key((), (key.id(),)), entry)
+    return entry
+
+
+def tuned_setting(op, m_total, k, n_cols, dtype, n, entry=None):
+    """(chunks, comm_sms) the tuner measured best for this op and shape, else the default."""
+    entry = entry or tuned(op, m_total, k, n_cols, dtype, n)
+    return (entry["chunks"], entry["comm_sms"]) if entry and entry["chunks"] else _DEFAULT_SETTING
+
+
+def schedule_of(config, entry):
+    """The reduce-scatter's schedule: the config's, else the tuner's (the tile schedule only
+    where auto may take kernels not yet measured on two GPUs), else "chunked"."""
+    if config.schedule:
+        return config.schedule
+    if entry and entry.get("schedule") == "tile" and not new_kernels_reason():
+        return "tile"
+    return "chunked"
+
+
+def auto_predicts_win(m_total, k, n_cols, n):
+    """The conservative rule used where nothing was tuned (see above)."""
+    if n != 2:
+        return False  # only tp=2 has been measured
+    big_enough = all(v >= lo for v, lo in zip((m_total, k, n_cols), _AUTO_MIN, strict=True))
+    return big_enough and k <= _AUTO_MAX_K
+
+
+def ag_auto_predicts_win(m_gathered, k, n_cols, n):
+    """The conservative rule for the fused all_gather_matmul where untuned (see above)."""
+    return n == 2 and all(
+        v >= lo for v, lo in zip((m_gathered, k, n_cols), _AG_AUTO_MIN, strict=True)
+    )
+
+
+def _auto_reason(op, m, k, n_cols, dtype, n):
+    """None if backend="auto" should take the fused path, else why not. ``m`` is the rows of
+    x as the op's tuning key counts them: per device for matmul_reduce_scatter, gathered for
+    all_gather_matmul."""
+    entry = tuned(op, m, k, n_cols, dtype, n)
+    shape = f"M={m} K={k} N={n_cols} over {n} GPUs"
+    if entry is not None:
+        if entry["choice"] == "fused":
+            return None
+        return (
+            f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
+            f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
+        )
+    rules = {
+        "matmul_reduce_scatter": (auto_predicts_win, "tp=2, M>=2048, N>=4096, 4096<=K<=8192"),
+        "all_gather_matmul": (
+            ag_auto_predicts_win,
+            "tp=2, gathered M >= 4096, K >= 4096, N_local >= 2048",
+        ),
+        # The fused all-reduce: not measured yet, so no rule; the tuner decides.
+        "matmul_all_reduce": (lambda *_: False, "none: never measured"),
+    }
+    rule, what = rules[op]
+    if rule(m, k, n_cols, n):
+        return None
+    return (
+        f"backend='auto': {shape} is untuned and outside the conservative rule ({what}); run "
+        f"`python -m jaxoverlap.tune --op {op} --shapes {m}x{k}x{n_cols} --tp {n}` to measure it"
+    )
+
+
+def _rows(x_shape):
+    return math.prod(x_shape[:-1])
+
+
+def _aligned(rows_per_chunk, k, n_cols):
+    return (rows_per_chunk * k) % 128 == 0 and (rows_per_chunk * n_cols) % 128 == 0
+
+
+def choose_chunks(m, k, n_cols, requested=None):
+    """Sub-chunks per rank's row block of ``m`` rows: ``requested`` if aligned, else the largest
+    of 4, 2, 1 that divides ``m`` with aligned operands; None when even 1 is unaligned."""
+    options = (requested,) if requested else (4, 2, 1)
+    for c in options:
+        if c <= MAX_CHUNKS and m % c == 0 and _aligned(m // c, k, n_cols):
+            return c
+    return None
+
+
+_FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
+
+# Kernels that have not run on two GPUs yet -- all_gather_matmul's variant that returns the
+# gathered x and the column-parallel backward (docs/training-path.md), the copy-engine
+# reduce-scatter (Config(comm_sms=0)) and the last-dimension reduce-scatter (fused/last_dim.py) --
+# are never picked by backend="auto" (nor tried by the tuner) until they have run and been
+# measured there (correct so far with two processes sharing one GPU: docs/measurements.md runs
+# 29-30, 35-36); backend="fused" (or comm_sms=0) runs them. Where auto would have
+# used them it keeps JAX's own collectives (what plain JAX runs).
+# JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto and the tuner in.
+AUTO_NEW_KERNELS = os.environ.get("JAXOVERLAP_AUTO_NEW_KERNELS") == "1"
+
+
+def new_kernels_reason():
+    """None if backend="auto" may take the kernels that have not run on GPUs yet (above)."""
+    if AUTO_NEW_KERNELS:
+        return None
+    return (
+        "backend='auto': this fused kernel has not been measured on two GPUs yet (it ran "
+        "correct only with two processes sharing one GPU); backend='fused' runs it "
+        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it)"
+    )
+
+
+def rows_setting(op, config, m_total, k, n_cols, dtype, n):
+    """The reduce-scatter over rows (``op`` matmul_reduce_scatter, or matmul_all_reduce, its
+    schedule with the reduced rows gathered): ``(target, chunks, comm_sms, swizzle)`` with the
+    settings the tuner found for ``op`` and this shape, else the defaults; an explicit
+    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule."""
+    rs = op == "matmul_reduce_scatter"
+    entry = tuned(op, m_total, k, n_cols, dtype, n)
+    if rs and schedule_of(config, entry) == "tile":
+        return targets.GEMM_RS_TILE_TARGET, 1, 0, (entry or {}).get("swizzle")
+    setting = tuned_setting(op, m_total, k, n_cols, dtype, n, entry)
+    chunks = choose_chunks(m_total // n, k, n_cols, config.chunks or setting[0])
+    if chunks is None:
+        chunks = choose_chunks(m_total // n, k, n_cols, None)
+    comm_sms = config.comm_sms if config.comm_sms is not None else setting[1]
+    if comm_sms == 0 and config.comm_sms is None and new_kernels_reason():
+        comm_sms = DEFAULT_COMM_SMS  # a tuner entry from an opted-in run; not allowed now
+    if comm_sms == 0 and rs:  # the copy engine: the reduce-scatter's CE handler
+        return targets.GEMM_RS_CE_TARGET, chunks, 0, None
+    target = targets.GEMM_RS_TARGET if rs else targets.GEMM_AR_TARGET
+    return target, chunks, comm_sms or DEFAULT_COMM_SMS, None  # the AR has no CE handler
+
+
+def ag_rows_chunks(config, m, k, n_cols, dtype, n):
+    """Chunks of the all-gather over rows of ``m`` rows per rank: the config's, else the
+    tuner's, else one per block (at tp=2 the own block's GEMM hides the whole copy)."""
+    entry = tuned("all_gather_matmul", m * n, k, n_cols, dtype, n)
+    want = config.chunks or (entry["chunks"] if entry and entry["chunks"] else 1)
+    return choose_chunks(m, k, n_cols, want) or choose_chunks(m, k, n_cols, 1)

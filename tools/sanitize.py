@@ -1,0 +1,184 @@
+"""compute-sanitizer over every fused handler, with a real second rank: two processes of
+tests/gpu/xproc_worker.py (one GPU each, or both sharing one GPU), each under the sanitizer.
+
+    python tools/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck] [--mode ops]
+                             [--out DIR] [--deadline-s 480]
+
+Per tool, both processes run the worker's MODE (``ops``: every fused op, the tile schedule, the
+copy-engine and all-reduce handlers, the gathers along K; ``train``: the training path) with
+``XPROC_TIMEOUT_S`` raised to fit the sanitizer's slowness, their logs under ``--out``. Each
+finding is attributed to the kernel it names; findings in kernels matched by
+tools/sanitizer_exclude.txt (cuBLASLt's, each with its reason) are counted apart. Prints one
+line per (tool, process) and ``SANITIZE: PASSED`` when no finding is left in jaxoverlap's own
+kernels and every case of the worker reported OK; exit status 0 then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "gpu", "xproc_worker.py")
+EXCLUDE = os.path.join(ROOT, "tools", "sanitizer_exclude.txt")
+SANITIZER_FLAGS = {
+    "memcheck": ["--leak-check", "no"],
+    # cuBLASLt's kernels are not instrumented under racecheck (--kernel-name-exclude): their
+    # shared memory is ordered by mbarriers, which racecheck does not model (run 31: every
+    # hazard was in them), and instrumenting them makes a run of the ops take ~10 minutes.
+    "racecheck": ["--racecheck-report", "hazard", "--kernel-name-exclude", "kns=nvjet"],
+    "synccheck": [],
+    "initcheck": [],
+}
+
+
+def exclusions(path=EXCLUDE):
+    """[(regex, reason)] from the exclusion file: ``<regex>  # <reason>`` per line."""
+    out = []
+    for line in open(path):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            pattern, _, reason = line.partition("#")
+            out.append((re.compile(pattern.strip()), reason.strip()))
+    return out
+
+
+def _name(text):
+    """The function named by ``at <name>+0x...`` (return type dropped)."""
+    text = text.split("+0x", 1)[0].split(" in /", 1)[0].strip()
+    return text[5:] if text.startswith("void ") else text
+
+
+def findings(log_text):
+    """[(kind, where)] of one sanitizer log: each report's first line and the kernel it names
+    (for an API error -- ``kind`` starts with "Program hit" -- its first host frame)."""
+    found, kind = [], None
+    start = re.compile(r"(Invalid |Uninitialized |Error: |Race reported|Barrier |Program hit )")
+    for line in log_text.splitlines():
+        if not line.startswith("========="):
+            continue
+        body = line[len("=========") :].strip()
+        if "SUMMARY" in body:
+            continue
+        if start.match(body):
+            if kind is not None:
+                found.append((kind, "?"))
+            kind = body
+            if " access at " in body:  # racecheck names the kernel on its first line
+                found.append((kind, _name(body.split(" access at ", 1)[1])))
+                kind = None
+            continue
+        if kind is None:
+            continue
+        at = re.search(r"(?:^|\s)at (.+?\+0x)", body)  # "at K+0x..", "Read Thread (..) at K+0x.."
+        if at:
+            found.append((kind, _name(at.group(1))))
+            kind = None
+        elif body.startswith("Host Frame:") and kind.startswith("Program hit"):
+            found.append((kind, body[len("Host Frame:") :].strip()))
+            kind = None
+    if kind is not None:
+        found.append((kind, "?"))
+    return found
+
+
+def classify(found, rules):
+    """(device findings not excluded, {reason: count} excluded, host API errors)."""
+    ours, excluded, api = [], {}, []
+    for kind, kernel in found:
+        if kind.startswith("Program hit"):
+            api.append((kind, kernel))
+            continue
+        reason = next((r for p, r in rules if p.search(kernel)), None)
+        if reason is None:
+            ours.append((kind, kernel))
+        else:
+            excluded[reason] = excluded.get(reason, 0) + 1
+    return ours, excluded, api
+
+
+def run_tool(tool, mode, out, deadline_s, timeout_s):
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        gpus = max(1, subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                                     text=True).stdout.count("GPU "))  # fmt: skip
+    except OSError:
+        gpus = 1
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XPROC_TIMEOUT_S": str(timeout_s),  # every bounded wait sized for the sanitizer
+        "JAXOVERLAP_SETUP_TIMEOUT_S": str(max(300, timeout_s)),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    procs, logs = [], []
+    for p in range(2):
+        log = os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.log")
+        stdout = open(os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.out"), "w")
+        cmd = [exe, "--tool", tool, "--target-processes", "all", "--print-limit", "200",
+               "--log-file", log, *SANITIZER_FLAGS[tool],
+               sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env))
+        logs.append((log, stdout.name))
+    t0, timed_out = time.time(), False
+    for pr in procs:
+        try:
+            pr.wait(timeout=max(1.0, deadline_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                q.kill()
+    return logs, timed_out, time.time() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tools", default="memcheck,racecheck,synccheck,initcheck")
+    ap.add_argument("--mode", default="ops", help="xproc_worker mode (ops, train)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "sanitize_logs"))
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="per tool")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="Config.timeout_s")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    rules = exclusions()
+    ok = True
+    for tool in a.tools.split(","):
+        logs, timed_out, dt = run_tool(tool, a.mode, a.out, a.deadline_s, a.timeout_s)
+        for p, (log, stdout) in enumerate(logs):
+            text = open(log).read() if os.path.exists(log) else ""
+            printed = open(stdout).read()
+            cases = re.findall(r"^(\S+) (OK|FAILED)", printed, re.M)
+            failed = [c for c, s in cases if s == "FAILED"]
+            ours, excluded, api = classify(findings(text), rules)
+            summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+            line_ok = not ours and not failed and cases and not timed_out
+            ok &= bool(line_ok)
+            print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
+                  f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, sanitizer summary "
+                  f"{'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
+                  f"{sum(excluded.values())}, host API errors {len(api)}", flush=True)  # fmt: skip
+            for reason, count in excluded.items():
+                print(f"    excluded {count}: {reason[:100]}")
+            for kind, frame in api[:3]:
+                print(f"    API: {kind[:140]} ({frame})")
+            for kind, kernel in ours[:10]:
+                print(f"    OURS: {kernel}: {kind[:160]}")
+            for c in failed[:5]:
+                print(f"    FAILED case: {c}")
+    print("SANITIZE:", "PASSED" if ok else "FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
