@@ -160,6 +160,16 @@ def test_failure_in_start_joins_only_streams_granted(run):
     )
 
 
+def test_schedule_without_join_fails_the_call(run):
+    """A schedule that returned without join() (no finish kernel: this rank's epoch would fall
+    behind its peers' for good) is a failure after begin_call."""
+    ev = single(run, "no_join")
+    assert ev[first(ev, "launch kernel") + 1] == (
+        "fail_call stream=100 streams=200/201 rank=0 index=7 poison=10 msg=jaxoverlap.test_op: "
+        "the schedule ended without join()"
+    )
+
+
 def test_injected_failure(run):
     """stall_rank = -2 - rank (fused._failed_rank_for_tests): that rank fails after begin_call,
     with the copy engine's streams granted by then."""

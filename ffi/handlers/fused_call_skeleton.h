@@ -154,6 +154,8 @@ class BasicFusedCall {
     if (std::optional<Error> answer = open(); answer) return std::move(*answer);
     std::string failed = start();
     if (failed.empty()) failed = schedule(*this);
+    // A call that counted on every rank must end with the finish kernel (epoch + 1): join().
+    if (failed.empty() && !joined_) failed = "the schedule ended without join()";
     if (failed.empty()) return Rt::success();
     if ((spec_.uses & kCopyEngine) && part_)  // close_call joins the comm stream: the copy's too
       rt_.join_copy(dev_, part_);
@@ -189,7 +191,10 @@ class BasicFusedCall {
   }
   // XLA's stream waits for the streams forked, the finish kernel (NaN if a wait gave up), the
   // workspace's done event.
-  std::string join() { return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_); }
+  std::string join() {
+    joined_ = true;
+    return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_);
+  }
 
  private:
   // (2) No answer: run the call. An answer: return it (given up: success; else the error).
@@ -261,7 +266,7 @@ class BasicFusedCall {
   const typename Rt::Partition* streams_ = nullptr;
   typename Rt::ErrorRecord* err_ = nullptr;
   uint32_t index_ = 0;
-  bool gemm_ = false;
+  bool gemm_ = false, joined_ = false;
   // Released in reverse: the lock, then the capture scope, then the device.
   std::optional<typename Rt::DeviceGuard> guard_;
   std::optional<typename Rt::CaptureScope> capture_;

@@ -22,6 +22,7 @@ struct Script {
   bool misordered = false;
   std::string refused;
   bool partition_fails = false;
+  bool skip_join = false;  // a schedule that returns "" without join()
 };
 Script g_script;
 
@@ -207,6 +208,7 @@ void handler(int device, const Table& t, unsigned uses, const char* fail = nullp
         }
         log("launch kernel");
         if (fail) return fail;
+        if (g_script.skip_join) return "";
         return c.join();
       });
     }
@@ -242,6 +244,9 @@ int main(int argc, char** argv) {
     handler(0, one_process, sm);
   } else if (s == "injected_failure") {
     handler(1, one_process, ce, nullptr, 5.0, /*stall_rank=*/-3);  // rank 1 fails after begin
+  } else if (s == "no_join") {
+    g_script.skip_join = true;
+    handler(0, one_process, sm);
   } else if (s == "open_fails") {
     g_script.workspace_fails = true;
     handler(0, one_process, sm);
