@@ -92,8 +92,9 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
         path = ""
         if m.reason is None:
             try:
-                splices[m.last], path = _op_eqns(m, state.config, jaxpr.eqns[m.last])
-                dropped.update(m.drop)
+                eqns, path = _op_eqns(m, state.config, jaxpr.eqns[m.last])
+                splices[m.last] = [*(jaxpr.eqns[h] for h in m.hoist), *eqns]
+                dropped.update(m.drop, m.hoist)
             except _Rejected as e:
                 m.reason = str(e)
         state.candidates.append(
