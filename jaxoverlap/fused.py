@@ -84,9 +84,13 @@ DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best,
 _AG_AUTO_MIN = (4096, 4096, 2048)  # (gathered rows, K, N_local)
 
 
-def tuned(op, m_total, k, n_cols, dtype, n):
-    """The tuner's entry for this op and shape on this machine's GPUs, or None."""
+def tuned(op, m_total, k, n_cols, dtype, n, target=None):
+    """The tuner's entry for this op and shape on this machine's GPUs, or None. ``target``: a
+    `jaxoverlap.target.Target` to decide for instead (explain), with its tuning cache."""
     from jaxoverlap import tune
+
+    if target is not None:
+        return target.tuned(op, m_total, k, n_cols, dtype, n)
 
     devices = jax.devices()
     if devices[0].platform != "gpu":
@@ -132,11 +136,11 @@ def ag_auto_predicts_win(m_gathered, k, n_cols, n):
     )
 
 
-def _auto_reason(op, m, k, n_cols, dtype, n):
+def _auto_reason(op, m, k, n_cols, dtype, n, target=None):
     """None if backend="auto" should take the fused path, else why not. ``m`` is the rows of
     x as the op's tuning key counts them: per device for matmul_reduce_scatter, gathered for
     all_gather_matmul."""
-    entry = tuned(op, m, k, n_cols, dtype, n)
+    entry = tuned(op, m, k, n_cols, dtype, n, target)
     shape = f"M={m} K={k} N={n_cols} over {n} GPUs"
     if entry is not None:
         if entry["choice"] == "fused":
@@ -208,11 +212,12 @@ def new_kernels_reason():
     )
 
 
-def unsupported_reason(op, x, w, params, axis_size):
-    """Trace-time check; see the module docstring."""
+def unsupported_reason(op, x, w, params, axis_size, target=None):
+    """Trace-time check; see the module docstring. ``target``: a `jaxoverlap.target.Target`
+    whose facts to decide from (None: this machine's)."""
     if op not in _FUSED_OPS:
         return f"{op} has no fused GPU kernel in this version (only {', '.join(_FUSED_OPS)})"
-    why = runtime.unavailable_reason()
+    why = runtime.unavailable_reason() if target is None else target.native_reason()
     if why:
         return why
     if x.dtype != w.dtype or not any(x.dtype == np.dtype(t) for t in _SUPPORTED):
@@ -228,8 +233,8 @@ def unsupported_reason(op, x, w, params, axis_size):
         if not 2 <= n <= topology.MAX_GROUP:
             return f"group size {n} is outside 2..{topology.MAX_GROUP}"
         if gather:
-            return fused_cols.unsupported_reason_k(x, w, params, n)
-        return fused_cols.unsupported_reason(x, w, params, n)
+            return fused_cols.unsupported_reason_k(x, w, params, n, target)
+        return fused_cols.unsupported_reason(x, w, params, n, target)
     # Any dimension but the last: the custom call takes x (and gives its results) with that
     # dimension major-most (`rows_major`), so each rank's block is contiguous rows of x[..., K]
     # ([B, S, D] split over S: sequence parallelism) -- the same kernel.
@@ -263,7 +268,7 @@ def unsupported_reason(op, x, w, params, axis_size):
             return why
         if config.backend != "auto":
             return None
-        return new_kernels_reason() or _auto_reason(op, m_total, k, n_cols, x.dtype, n)
+        return new_kernels_reason() or _auto_reason(op, m_total, k, n_cols, x.dtype, n, target)
     chunks = choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))
     if chunks is None:
         return (
@@ -271,13 +276,27 @@ def unsupported_reason(op, x, w, params, axis_size):
             f"times N={n_cols} must be multiples of 128 elements"
         )
     if gather:
-        return _auto_reason(op, m * n, k, n_cols, x.dtype, n) if config.backend == "auto" else None
+        if config.backend != "auto":
+            return None
+        return _auto_reason(op, m * n, k, n_cols, x.dtype, n, target)
     comm_sms = config.comm_sms or DEFAULT_COMM_SMS
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        return _auto_reason(op, m_total, k, n_cols, x.dtype, n)
+        return _auto_reason(op, m_total, k, n_cols, x.dtype, n, target)
     return None
+
+
+def decide(op, x, w, params, axis_size, keep_gathered=False, target=None):
+    """Everything known before the custom call is emitted, in one place: None when ``op`` takes
+    the fused path, else why not. The CUDA lowering asks it for this machine; `jaxoverlap.explain`
+    for a `jaxoverlap.target.Target`. (The group's devices are checked when the call is emitted:
+    `jaxoverlap.fused_attrs.group_decision`.) ``keep_gathered``: all_gather_matmul's variant that
+    also returns the gathered x (several weights of one gathered value)."""
+    reason = unsupported_reason(op, x, w, params, axis_size, target)
+    if reason is None and keep_gathered and params["config"].backend == "auto":
+        reason = new_kernels_reason()  # the variant has not run on two GPUs yet
+    return reason
 
 
 def rows_major(shape, dim):

@@ -133,7 +133,10 @@ def check_fused_possible(op, x, w, params, n):
     """``backend="fused"``: fail at trace time when the fused path is ruled out already."""
     if params["config"].backend != "fused":
         return
-    reason = fused.unsupported_reason(op, core.typeof(x), core.typeof(w), params, n)
+    from jaxoverlap.target import tracing_target  # (explain: the target it decides for)
+
+    reason = fused.unsupported_reason(op, core.typeof(x), core.typeof(w), params, n,
+                                      tracing_target())  # fmt: skip
     if reason is not None:
         raise ValueError(f"jaxoverlap.{op}: backend='fused' cannot run here: {reason}")
 
@@ -198,9 +201,7 @@ def register_lowerings(prim, op, reference_fn, keep_gathered=False):
                 reason = "the op is not lowered inside a jax.shard_map mesh context"
             else:
                 n = math.prod(mesh.shape[a] for a in params["axis_name"])
-                reason = fused.unsupported_reason(op, x_aval, w_aval, params, n)
-            if reason is None and keep_gathered and config.backend == "auto":
-                reason = fused.new_kernels_reason()
+                reason = fused.decide(op, x_aval, w_aval, params, n, keep_gathered)
             if reason is None:
                 try:
                     return fused.lower(op, ctx, x, w, params, keep_gathered=keep_gathered)
