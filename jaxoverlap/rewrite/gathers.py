@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-
 from jax._src import core
 
-from jaxoverlap.rewrite import advice, views
+from jaxoverlap.rewrite import advice, norms, views
 from jaxoverlap.rewrite.patterns import (
     COLLECTIVES,
     MAX_BETWEEN,
@@ -44,6 +43,10 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     x, v = coll.invars[0], coll.outvars[0]
     if v.aval.ndim < 2:  # a bias or a norm's scale (FSDP): never an x [..., K] of the ops
         return None
+    norm = norms.match_norm(g, i)  # x gathered along K into a norm, then the matmul(s)
+    if norm is not None:
+        norm.reason = collective_problem(coll, manual_axes)
+        return norm
     n, d = group_size(coll), coll.params["all_gather_dimension"]
     axes = tuple(coll.params["axis_name"])
     between, blocker = [], None

@@ -89,6 +89,7 @@ class Match:
     kind: str = "candidate"
     advice: object = None  # a near miss's `advice.Advice`, where moving the equation is equal
     hoist: tuple[int, ...] = ()  # equations moved up to ``last`` (a weight's cast after it)
+    only_if_fused: bool = False  # applied only where the op then runs fused (rewrite/norms.py)
 
 
 class NearMiss(Exception):

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-
 PROMOTED = "mixed operand dtypes: both cast to {} first, the dtype jnp.matmul computes in"
 
 

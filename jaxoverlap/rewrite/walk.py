@@ -97,6 +97,11 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
         if m.reason is None:
             try:
                 eqns, path = _op_eqns(m, state, jaxpr.eqns[m.last])
+                if m.only_if_fused and not path.startswith("fused"):
+                    raise _Rejected(
+                        "left as written: the norm is computed per block only where the "
+                        f"all_gather_matmul along K it makes runs fused, and here {path}"
+                    )
                 splices[m.last] = [*(jaxpr.eqns[h] for h in m.hoist), *eqns]
                 dropped.update(m.drop, m.hoist)
             except _Rejected as e:
