@@ -65,7 +65,7 @@ def match_norm(g, i) -> Match | None:
     if not region or not dots:
         return None
     n = group_size(coll)
-    plan, crossed, sources = [], False, []
+    plan, crossed, sources, unused = [], False, [], set()
 
     def source(atom):
         sources.append(atom)
@@ -118,7 +118,9 @@ def match_norm(g, i) -> Match | None:
                         and c.params["all_gather_dimension"] == q
                         and c.params["tiled"]
                     ):
-                        how.append(("broadcast", b, None, source(c.invars[0])))  # fmt: skip
+                        how.append(("broadcast", b, None, source(c.invars[0])))
+                        if g.uses[a] == 1 and g.uses[src] == 1:  # (its gather is then dead)
+                            unused.update((b, ag))
                     else:
                         how.append(("broadcast", b, q, source(src)))
             pos[out] = p
@@ -170,7 +172,8 @@ def match_norm(g, i) -> Match | None:
         return None
     x = coll.invars[0]
     m = Match(
-        "all_gather_matmul", i, first, frozenset((i, *region, *dots)), (x, *sources, *ws),
+        "all_gather_matmul", i, first, frozenset((i, *region, *dots, *unused)),
+        (x, *sources, *ws),
         tuple(g.eqns[j].outvars[0] for j in dots), None,
         detail=f"{collective_desc(coll)} of {short(x)} -> norm ({len(region)} equations) -> @ "
         + ", ".join(short(w) for w in ws),
@@ -206,8 +209,8 @@ def match_norm(g, i) -> Match | None:
                         size = src.shape[q] // n
                         src = lax.dynamic_slice_in_dim(src, lax.axis_index(axes) * size, size, q)
                     shape = local(be.outvars[0].aval.shape, p)
-                    args.append(lax.broadcast_in_dim(src, shape,
-                                                     be.params["broadcast_dimensions"]))  # fmt: skip
+                    dims = be.params["broadcast_dimensions"]
+                    args.append(lax.broadcast_in_dim(src, shape, dims))
             params = dict(e.params)
             if "shape" in params:  # a broadcast within the norm: to the local block
                 params["shape"] = local(e.outvars[0].aval.shape, p)
