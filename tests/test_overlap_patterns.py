@@ -190,11 +190,13 @@ def test_mixed_operand_dtypes_are_promoted_as_jnp_matmul_does():
 def test_jaxoverlap_matmul_promotes_mixed_dtypes():
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     x = jax.device_put(jnp.ones((8, 16), BF16), NamedSharding(mesh, P(None, "tp")))
-    w = jax.device_put(jnp.full((16, 4), 0.5), NamedSharding(mesh, P("tp", None)))
+    w = jax.device_put(jnp.full((16, 4), 0.5, jnp.float32), NamedSharding(mesh, P("tp", None)))
+    xh, wh = jnp.asarray(np.asarray(x)), jnp.asarray(np.asarray(w))  # unsharded reference
     y = jaxoverlap.matmul(x, w)
-    assert y.dtype == jnp.matmul(x, w).dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.matmul(x, w)), **TOL[jnp.float32])
-    gx, gw = jax.grad(lambda x, w: jaxoverlap.matmul(x, w).sum(), (0, 1))(x, w)
-    wx, ww = jax.grad(lambda x, w: jnp.matmul(x, w).sum(), (0, 1))(x, w)
+    assert y.dtype == jnp.matmul(xh, wh).dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.matmul(xh, wh)), **TOL[jnp.float32])
+    with jax.set_mesh(mesh):
+        gx, gw = jax.grad(lambda x, w: jaxoverlap.matmul(x, w).sum(), (0, 1))(x, w)
+    wx, ww = jax.grad(lambda x, w: jnp.matmul(x, w).sum(), (0, 1))(xh, wh)
     assert (gx.dtype, gw.dtype) == (wx.dtype, ww.dtype)
     assert_tree_close((gx, gw), (wx, ww), TOL[BF16])
