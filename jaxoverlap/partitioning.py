@@ -228,8 +228,9 @@ def matmul(x, w, *, out_sharding=None, config: Config | None = None):
       dtypes are cast to it first, exactly, as a widening cast). On meshes with Explicit axes
       (``jax.make_mesh``'s default in jax 0.12) the operands' types say how they are sharded,
       and the op is chosen at trace time (`plan`) and run in a ``jax.shard_map``. On Auto axes
-      it is chosen when XLA partitions the program (custom_partitioning); ``out_sharding`` is then a sharding
-      constraint on the result (without it, a row-parallel result is an all-reduce).
+      it is chosen when XLA partitions the program (custom_partitioning); ``out_sharding`` is
+      then a sharding constraint on the result (without it, a row-parallel result is an
+      all-reduce).
     """
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"jaxoverlap.matmul: config must be a jaxoverlap.Config, got {config!r}.")
