@@ -136,10 +136,12 @@ def before_gather(g, coll_index, dots, limit: int):
     coll = g.eqns[coll_index]
     d0 = coll.params["all_gather_dimension"]
     pos = {coll.outvars[0]: d0}  # var of the region -> position of the gathered dim
-    region, frontier = set(), [coll.outvars[0]]
+    region, frontier, dots = set(), [coll.outvars[0]], set(dots)
     while frontier:
         v = frontier.pop()
         for j in g.users.get(v, []):
+            if g.eqns[j].primitive.name == "dot_general":
+                dots.add(j)  # (every matmul of the normed value: gate and up projections)
             if j in dots or j in region:
                 continue
             region.add(j)
@@ -205,9 +207,11 @@ def before_gather(g, coll_index, dots, limit: int):
     feeds = {pos[a] for ins in last for a in ins if isinstance(a, core.Var) and a in pos}
     if len(feeds) != 1 or None in feeds:
         return None, "the matmul's operand does not keep the gathered dimension"
+    what = "it acts" if len(region) == 1 else f"the {len(region)} equations from the gather act"
     text = (
-        "it acts on each position along the gathered dimension independently, so apply it "
-        "before the all_gather, on the local block (it then costs 1/n there)"
+        f"{what} on each position along the gathered dimension independently (elementwise, or "
+        "a norm over the other dimensions), so apply them before the all_gather, on the local "
+        "block (where they cost 1/n)"
     )
     moved = tuple(sorted(dims))
     return Advice("before", coll_index, moved, tuple(dims[j] for j in moved), feeds.pop()), text

@@ -56,7 +56,8 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         if dots:
             break
         if len(users) != 1 or g.uses[v] != 1 or not walkable(g.eqns[users[0]]):
-            return _near_miss_downstream(g, i, v, MAX_BETWEEN - len(between))
+            # (a norm in f32 with its casts is ~5 equations deep)
+            return _near_miss_downstream(g, i, v, 2 * MAX_BETWEEN - len(between))
         e = g.eqns[users[0]]
         if blocker is None and not (e.primitive.name in _MOVABLE and len(e.invars) == 1):
             blocker = e

@@ -185,9 +185,9 @@ def _move_back(g: Graph, between, d, n, axes, coll_index):
             other = e.invars[1] if e.invars[0] is src else e.invars[0]
             bias, keep = _bias_source(g, other, out.aval.ndim)
             if bias is None:
-                raise NearMiss(why + "the added value is not a broadcast bias (a full-size "
-                               "addend), so the ops have no form with it; add it after the "
-                               "collective if it is the same on every rank")  # fmt: skip
+                raise NearMiss(why + "the added value is not a broadcast bias but a full-size "
+                               "addend, which would be summed by the collective too; the ops "
+                               "have no form with it and no equal form is suggested")  # fmt: skip
             along = d is not None and bool(keep) and keep[d] != 1  # varies along the scatter
             k = len(extras)
             extras.append(bias)

@@ -237,6 +237,8 @@ def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> str:
     if reason is None and target is not None:
         if isinstance(state.mesh, Mesh):
             _, reason = fused_attrs.group_decision(state.mesh, params["axis_name"], target)
+            if reason is not None and params["config"].backend == "fused":
+                return f"error at lowering: backend='fused' cannot run here: {reason}"
         elif not target.predicted:
             return "fused, unless the group's devices are not NVLink peers (checked at lowering)"
     if reason is not None:
