@@ -86,12 +86,13 @@ _AG_AUTO_MIN = (4096, 4096, 2048)  # (gathered rows, K, N_local)
 
 def tuned(op, m_total, k, n_cols, dtype, n, target=None):
     """The tuner's entry for this op and shape on this machine's GPUs, or None. ``target``: a
-    `jaxoverlap.target.Target` to decide for instead (explain), with its tuning cache."""
+    `jaxoverlap.target.Target` to decide for (explain): a named one's entry from its tuning
+    cache; this machine's from the cache it names (each entry it finds recorded)."""
     from jaxoverlap import tune
 
-    if target is not None:
+    if target is not None and target.predicted:
         return target.tuned(op, m_total, k, n_cols, dtype, n)
-
+    cache = target.tuning_cache if target is not None else None
     devices = jax.devices()
     if devices[0].platform != "gpu":
         return None
@@ -99,9 +100,11 @@ def tuned(op, m_total, k, n_cols, dtype, n, target=None):
         op, m_total, k, n_cols, str(np.dtype(dtype)), n,
         devices[0].device_kind,
     )  # fmt: skip
-    entry = tune.lookup(key)
+    entry = tune.lookup(key, cache)
     if jax.process_count() > 1:  # every process lowers the same program (xproc.agree)
         entry = xproc.agree("tuned/" + xproc.exchange_key((), (key.id(),)), entry)
+    if target is not None:
+        target.lookups.append(entry)
     return entry
 
 

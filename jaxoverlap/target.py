@@ -79,7 +79,8 @@ class Target:
         )
 
     def tuned(self, op, m_total, k, n_cols, dtype, n):
-        """The tuning cache's entry for this key on this target, or None."""
+        """A named target's entry for this key in its tuning cache, or None (this machine's:
+        `jaxoverlap.fused.tuned`)."""
         import numpy as np
 
         from jaxoverlap import tune
