@@ -196,3 +196,38 @@ def test_advice_is_printed_only_with_an_equal_move():
 
         jax.jit(jax.shard_map(check, mesh=mesh_1d(), in_specs=in_specs,
                               out_specs=out_specs)).trace(*args)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def test_without_gpus_explain_predicts_for_a_named_target(capsys, monkeypatch):
+    from jaxoverlap import target
+
+    no_gpu = target.Target("this machine", 0, None, False)
+    monkeypatch.setattr(target, "live", lambda tuning_cache=None: no_gpu)  # (as in CI)
+    f, args = IDIOMS["scaling_book"]()
+    found = explain(f, *args)  # this machine has no GPU: the default named target
+    out = capsys.readouterr().out
+    assert "2xH200" in out.splitlines()[0] and "a prediction" in out.splitlines()[0], out
+    assert "native extension" not in out
+    assert [c.path.split(" ")[0] for c in found] == ["fused", "fused"], found
+    with pytest.raises(ValueError, match="unknown target"):
+        explain(f, *args, target="2xA100")
+
+
+def test_explain_reads_the_cluster_tuning_cache(tmp_path):
+    """A laptop with the cluster's cache: a measured loss keeps XLA's path inside the rule, a
+    measured win takes the fused path outside it; both say so."""
+    from jaxoverlap import tune
+    from jaxoverlap.target import KINDS
+
+    cache = str(tmp_path / "tune-cluster.json")
+    key = tune.Key("matmul_reduce_scatter", 4096, 4096, 4096, "bfloat16", 2, KINDS["H200"])
+    tune.record(key, dict(choice="xla", chunks=0, comm_sms=0, ms_xla=1.0, ms_fused=1.1), cache)
+    key = tune.Key("all_gather_matmul", 4096, 4096, 4096, "bfloat16", 2, KINDS["H200"])
+    tune.record(key, dict(choice="fused", chunks=1, comm_sms=0, ms_xla=1.0, ms_fused=0.8), cache)
+    f, args = IDIOMS["scaling_book"]()
+    ag, rs = explain(f, *args, target="2xH200", tuning_cache=cache)
+    assert ag.path == "fused (tuned: 0.800 ms fused vs 1.000 ms XLA)", ag.path
+    assert rs.path.startswith("reference: backend='auto': tuned, XLA's path measured"), rs.path
