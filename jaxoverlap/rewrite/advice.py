@@ -97,7 +97,10 @@ def after_collective(g, b, src, coll_index, scatter: bool, axes, vma_typed: bool
     name = e.primitive.name
     others = [a for a in e.invars if a is not src]
     if g.producer.get(e.outvars[0]) is None or coll_index not in g.users.get(e.outvars[0], []):
-        return None, "it does not feed the collective directly"
+        return None, (
+            "it does not feed the collective directly (what follows it would have to move too), "
+            "so no equal form is suggested"
+        )
     nothing = (
         "it does not commute with the sum the collective computes, so no equal form can be "
         "suggested"
