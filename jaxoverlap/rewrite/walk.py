@@ -241,6 +241,8 @@ def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> str:
                 return f"error at lowering: backend='fused' cannot run here: {reason}"
         elif not target.predicted:
             return "fused, unless the group's devices are not NVLink peers (checked at lowering)"
+        elif n > target.gpus:  # (explain called inside a shard_map body: no concrete mesh)
+            reason = f"the group has {n} devices; the target {target.name} has {target.gpus} GPUs"
     if reason is not None:
         return f"reference: {reason}"
     if params["config"].backend == "fused":
