@@ -24,7 +24,7 @@ from jaxoverlap import Config
 from jaxoverlap.overlap import explain, overlap
 from jaxoverlap.rewrite import walk
 
-CONFIGS = {"auto": None, "fused": Config(backend="fused")}
+CONFIGS = {"auto": None, "auto_new": None, "fused": Config(backend="fused")}
 
 
 def _op_of(target):
@@ -53,13 +53,19 @@ CASES = {**IDIOMS, **PATTERNS}
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_explain_verdict_is_what_lowering_emits(lowering_only, case, config):
+def test_explain_verdict_is_what_lowering_emits(lowering_only, monkeypatch, case, config):
+    from jaxoverlap import fused
+
+    # auto_new: JAXOVERLAP_AUTO_NEW_KERNELS=1 (the norm across K then rewrites under auto)
+    monkeypatch.setattr(fused, "AUTO_NEW_KERNELS", config == "auto_new")
     f, args = CASES[case]()
     found, predicted = verdicts(f, args, CONFIGS[config])
     assert fused_calls(f, args, CONFIGS[config]) == predicted, found
     if config == "fused":  # every pair the ops rewrite has a kernel here: it is named fused
         assert all(c.path.startswith("fused") for c in found if c.rewritten), found
-    assert predicted or config == "auto" or case == "mixed_dtypes"  # (f32: no kernel)
+    assert predicted or config != "fused" or case == "mixed_dtypes"  # (f32: no kernel)
+    if (case, config) == ("seqax", "auto_new"):
+        assert "norm across K" in found[0].note and predicted, found
 
 
 # ----------------------------------------------------------------------------- advice, applied
