@@ -37,20 +37,24 @@ from jaxoverlap.fused.call import FusedUnavailable
 from jaxoverlap.fused.policy import _FUSED_OPS, _SUPPORTED, DEFAULT_COMM_SMS
 
 
-def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False):
-    """Trace-time check; see the module docstring. ``keep_gathered``: all_gather_matmul's
-    variant that also returns the gathered x (the training path's forward), which
-    ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are allowed."""
-    why = _unsupported_reason(op, x, w, params, axis_size)
+def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=None):
+    """Trace-time check; see the module docstring. The one decision: the ops' CUDA lowering asks
+    it for this machine, ``explain`` for a `jaxoverlap.target.Target` (``target``: whose facts
+    -- extension, GPU kind, tuning cache -- to decide from; None: this machine's). The group's
+    devices are checked when the call is emitted (`call.group_decision`). ``keep_gathered``:
+    all_gather_matmul's variant that also returns the gathered x (the training path's forward),
+    which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
+    allowed."""
+    why = _unsupported_reason(op, x, w, params, axis_size, target)
     if why is None and keep_gathered and params["config"].backend == "auto":
         why = policy.new_kernels_reason()
     return why
 
 
-def _unsupported_reason(op, x, w, params, axis_size):
+def _unsupported_reason(op, x, w, params, axis_size, target):
     if op not in _FUSED_OPS:
         return f"{op} has no fused GPU kernel in this version (only {', '.join(_FUSED_OPS)})"
-    why = runtime.unavailable_reason()
+    why = runtime.unavailable_reason() if target is None else target.native_reason()
     if why:
         return why
     if x.dtype != w.dtype or not any(x.dtype == np.dtype(t) for t in _SUPPORTED):
@@ -64,8 +68,8 @@ def _unsupported_reason(op, x, w, params, axis_size):
         if not 2 <= n <= topology.MAX_GROUP:
             return f"group size {n} is outside 2..{topology.MAX_GROUP}"
         if gather:
-            return last_dim.unsupported_reason_k(x, w, params, n)
-        return last_dim.unsupported_reason(x, w, params, n)
+            return last_dim.unsupported_reason_k(x, w, params, n, target)
+        return last_dim.unsupported_reason(x, w, params, n, target)
     # Any dimension but the last: the custom call takes x (and gives its results) with that
     # dimension major-most (`call.rows_major`), so each rank's block is contiguous rows of x[..., K]
     # ([B, S, D] split over S: sequence parallelism) -- the same kernel.
@@ -98,7 +102,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
         if config.backend != "auto":
             return None
         return policy.new_kernels_reason() or policy._auto_reason(
-            op, m_total, k, n_cols, x.dtype, n
+            op, m_total, k, n_cols, x.dtype, n, target
         )
     chunks = policy.choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))
     if chunks is None:
@@ -108,7 +112,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
         )
     if gather:
         return (
-            policy._auto_reason(op, m * n, k, n_cols, x.dtype, n)
+            policy._auto_reason(op, m * n, k, n_cols, x.dtype, n, target)
             if config.backend == "auto"
             else None
         )
@@ -116,7 +120,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        return policy._auto_reason(op, m_total, k, n_cols, x.dtype, n)
+        return policy._auto_reason(op, m_total, k, n_cols, x.dtype, n, target)
     return None
 
 

@@ -31,24 +31,6 @@ SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma
 COLLECTIVES = frozenset({*SUM_PRIMS, "reduce_scatter", "all_gather", "all_to_all", "ppermute"})
 MAX_BETWEEN = 4  # equations searched between a matmul and its collective
 
-# How to move an equation found between a matmul and its reduction, for near-miss reasons.
-HINTS = {
-    "mul": "scale after the collective instead (a scale by a replicated value commutes with it)",
-    "div": "divide after the collective instead (by a replicated value it commutes with it)",
-    "neg": "negate after the collective",
-    "pvary": "the matmul's operands are both replicated; make one of them sharded",
-}
-LINEAR = frozenset({"reduce_sum", "slice", "squeeze", "broadcast_in_dim", "expand_dims", "pad",
-                    "dynamic_slice", "rev", "select_n", "concatenate"})  # fmt: skip
-OTHER = (
-    "the ops compute the collective of x @ w itself, and this does not commute with the sum; "
-    "apply it after the collective"
-)
-GATHER_HINT = (
-    "apply it before the all_gather, on the local rows: an elementwise op, or a row-wise one "
-    "such as a norm for a gather of rows, commutes with the gather (and costs 1/n there)"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -108,10 +90,18 @@ class Match:
     reason: str | None = None
     note: str = ""
     kind: str = "candidate"
+    advice: object = None  # a near miss's `advice.Advice`, where moving the equation is equal
+    hoist: tuple[int, ...] = ()  # equations moved up to ``last`` (a weight's cast after it)
+    only_if_fused: bool = False  # applied only where the op then runs fused (rewrite/norms.py)
 
 
 class NearMiss(Exception):
-    """Something between the pair cannot be moved across the collective; the message says what."""
+    """Something between the pair cannot be moved across the collective; the message says what
+    (and ``advice``, an `advice.Advice` or None, how to move it where that is equal)."""
+
+    def __init__(self, message, advice=None):
+        super().__init__(message)
+        self.advice = advice
 
 
 def short(atom) -> str:
@@ -120,17 +110,6 @@ def short(atom) -> str:
 
 def where(eqn) -> str:
     return source_info_util.summarize(eqn.source_info)
-
-
-def hint(eqn) -> str:
-    """How to move ``eqn`` out from between a matmul and its reduce-scatter/psum."""
-    name = eqn.primitive.name
-    if name in LINEAR:
-        return (
-            f"the ops have no form with a {name} between the matmul and the collective; apply "
-            "it after the collective (being linear, after a psum it computes the same)"
-        )
-    return HINTS.get(name, OTHER)
 
 
 def group_size(eqn) -> int:
