@@ -36,16 +36,19 @@ def _op_of(target):
 
 
 def fused_calls(f, args, config):
-    """The jaxoverlap custom calls in ``overlap(f)`` lowered for CUDA, by op."""
+    """The jaxoverlap custom calls in ``overlap(f)`` lowered for CUDA, by target name."""
     lowered = jax.jit(overlap(f, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
     names = re.findall(r"stablehlo.custom_call @(jaxoverlap_\w+)", lowered.as_text())
-    return collections.Counter(_op_of(n) for n in names)
+    return collections.Counter(names)
 
 
 def verdicts(f, args, config):
+    """explain's candidates, and the kernels it names for those it says run fused."""
     n = args[0].sharding.mesh.devices.size
     found = explain(f, *args, target=f"{n}xH200", config=config)
-    return found, collections.Counter(c.op for c in found if c.path.startswith("fused"))
+    fused = [c for c in found if c.path.startswith("fused")]
+    assert all(_op_of(c.kernel) == c.op for c in fused), found  # (each names its op's kernel)
+    return found, collections.Counter(c.kernel.split(" ")[0] for c in fused)
 
 
 CASES = {**IDIOMS, **PATTERNS}
@@ -60,12 +63,54 @@ def test_explain_verdict_is_what_lowering_emits(lowering_only, monkeypatch, case
     monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", config == "auto_new")
     f, args = CASES[case]()
     found, predicted = verdicts(f, args, CONFIGS[config])
-    assert fused_calls(f, args, CONFIGS[config]) == predicted, found
+    assert fused_calls(f, args, CONFIGS[config]) == predicted, found  # the same kernels
     if config == "fused":  # every pair the ops rewrite has a kernel here: it is named fused
         assert all(c.path.startswith("fused") for c in found if c.rewritten), found
     assert predicted or config != "fused" or case == "mixed_dtypes"  # (f32: no kernel)
     if (case, config) == ("seqax", "auto_new"):
         assert "norm across K" in found[0].note and predicted, found
+
+
+@pytest.mark.parametrize(
+    "config, kernel, how",
+    [
+        (Config(backend="fused", comm_sms=0), "jaxoverlap_gemm_rs_ce_v1", "copy engine"),
+        (Config(backend="fused", schedule="tile"), "jaxoverlap_gemm_rs_tile_v1", "tile"),
+        (Config(backend="fused", chunks=1, comm_sms=8), "jaxoverlap_gemm_rs_v1", "1 chunk(s)"),
+    ],
+)
+def test_explain_names_the_kernel_and_schedule_lowering_emits(lowering_only, config, kernel, how):
+    """The settings choose among the reduce-scatter's kernels; explain names the one lowering
+    emits (`fused.dispatch.kernel`: `policy.rows_setting`, as the lowering takes it)."""
+    f, args = CASES["llama3"]()  # (a reduce-scatter over rows: every schedule serves it)
+    found, predicted = verdicts(f, args, config)
+    assert fused_calls(f, args, config) == predicted == {kernel: 1}, found
+    (c,) = [c for c in found if c.kernel]
+    assert how in c.kernel and f"kernel: {c.kernel}" in str(c), c
+
+
+def test_explain_names_the_tuned_schedule(tmp_path, monkeypatch):
+    """A tuning cache's entry picks the tile schedule (auto, new kernels allowed): explain, on a
+    named target with that cache, names the tile kernel and the entry it came from."""
+    from jaxoverlap import fused, tune
+    from jaxoverlap.target import KINDS
+
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
+    f, args = CASES["llama3"]()
+    target = f"{args[0].sharding.mesh.devices.size}xH200"
+    (c,) = [c for c in explain(f, *args, target=target) if c.rewritten]
+    assert c.path.startswith("fused (untuned") and "SMs pushing by TMA" in c.kernel, c
+    m, k, _, n_cols = map(
+        int, re.search(r"\[(\d+),(\d+)\]\S* @ \S+\[(\d+),(\d+)\]", c.detail).groups()
+    )
+    tp = int(target[0])
+    cache = str(tmp_path / "tune.json")
+    key = tune.Key("matmul_reduce_scatter", m, k, n_cols, "bfloat16", tp, KINDS["H200"])
+    entry = dict(choice="fused", chunks=1, comm_sms=4, ms_xla=1.0, ms_fused=0.7, schedule="tile")
+    tune.record(key, entry, cache)
+    (c,) = [c for c in explain(f, *args, target=target, tuning_cache=cache) if c.rewritten]
+    assert c.path == "fused (tuned: 0.700 ms fused vs 1.000 ms XLA)", c
+    assert c.kernel == "jaxoverlap_gemm_rs_tile_v1 (the tile schedule)", c
 
 
 # ----------------------------------------------------------------------------- advice, applied

@@ -172,13 +172,15 @@ def new_kernels_reason():
     )
 
 
-def rows_setting(op, config, m_total, k, n_cols, dtype, n):
+def rows_setting(op, config, m_total, k, n_cols, dtype, n, target=None):
     """The reduce-scatter over rows (``op`` matmul_reduce_scatter, or matmul_all_reduce, its
     schedule with the reduced rows gathered): ``(target, chunks, comm_sms, swizzle)`` with the
     settings the tuner found for ``op`` and this shape, else the defaults; an explicit
-    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule."""
+    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule.
+    ``target``: the `jaxoverlap.target.Target` whose tuning cache to read, as `tuned`'s (explain
+    names the kernel with it)."""
     rs = op == "matmul_reduce_scatter"
-    entry = tuned(op, m_total, k, n_cols, dtype, n)
+    entry = tuned(op, m_total, k, n_cols, dtype, n, target)
     if rs and schedule_of(config, entry) == "tile":
         return targets.GEMM_RS_TILE_TARGET, 1, 0, (entry or {}).get("swizzle")
     setting = tuned_setting(op, m_total, k, n_cols, dtype, n, entry)

@@ -44,8 +44,11 @@ class Candidate:
       location: the user source line of the collective (or of the matmul for all_gather).
       scope: the nesting it was found in, outermost first, e.g. ``jit > shard_map > scan``.
       note: what the rewrite did besides swapping the pair (moved a bias, reshaped a weight...).
-      path: for a rewrite, the path the op takes on this machine's GPUs: ``"fused"`` or
+      path: for a rewrite, the path the op takes on the target's GPUs: ``"fused (why)"`` or
         ``"reference: <why>"`` (from `jaxoverlap.fused.unsupported_reason`).
+      kernel: explain's, where the path is fused: the custom call lowering emits and its
+        schedule, e.g. ``"jaxoverlap_gemm_rs_v1 (2 chunk(s) per block, 4 SMs pushing by TMA)"``
+        (from `jaxoverlap.fused.dispatch.kernel`).
       kind: ``"candidate"``; ``"near miss"`` (something between the pair stops it);
         ``"out of scope"`` (a pattern the ops do not implement, e.g. an FSDP weight gather).
     """
@@ -59,6 +62,7 @@ class Candidate:
     note: str = ""
     path: str = ""
     kind: str = "candidate"
+    kernel: str = ""
 
     def __str__(self):
         status = "rewritten" if self.rewritten else ("near miss" if self.kind == "near miss"
@@ -67,7 +71,8 @@ class Candidate:
         if not self.rewritten:
             return f"{line}\n          why: {self.reason}"
         note = f"\n          does: {self.note}" if self.note else ""
-        return f"{line}{note}\n          path: {self.path}"
+        kernel = f"\n          kernel: {self.kernel}" if self.kernel else ""
+        return f"{line}{note}\n          path: {self.path}{kernel}"
 
 
 @dataclasses.dataclass

@@ -125,10 +125,10 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
     for m in find_matches(jaxpr, frozenset(get_abstract_mesh().manual_axes)):
         if m.reason is None and state.blocked:
             m.reason = state.blocked
-        path = ""
+        path = kernel = ""
         if m.reason is None:
             try:
-                eqns, path = _op_eqns(m, state, jaxpr.eqns[m.last])
+                eqns, (path, kernel) = _op_eqns(m, state, jaxpr.eqns[m.last])
                 if m.only_if_fused and not path.startswith("fused"):
                     raise _Rejected(
                         "left as written: the norm is computed per block only where the "
@@ -142,7 +142,7 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
             Candidate(
                 op=m.op, rewritten=m.reason is None, reason=m.reason or "", detail=m.detail,
                 location=m.location, scope=" > ".join(state.scope) or "top level",
-                note=m.note, path=path, kind=m.kind,
+                note=m.note, path=path, kind=m.kind, kernel=kernel,
             )
         )  # fmt: skip
     if not splices:
@@ -206,7 +206,7 @@ def _op_fn(op: str):
 
 def _op_eqns(m: Match, state: _State, anchor: core.JaxprEqn):
     """The equations computing ``m.build`` into ``m.outs``, traced in the current context, and
-    the path the op takes on the target's GPUs."""
+    the path the op takes on the target's GPUs with its kernel (`_gpu_path`)."""
     config = state.config
     fn = functools.partial(_op_fn(m.op), config=config)
     in_avals = [a.aval for a in m.inputs]
@@ -244,15 +244,17 @@ def _op_eqns(m: Match, state: _State, anchor: core.JaxprEqn):
     return eqns, _gpu_path(m.op, tiny, state)
 
 
-def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> str:
-    """``"fused..."``, or ``"reference: <why>"``: what the op's CUDA lowering decides for its own
-    avals and params (`jaxoverlap.fused.unsupported_reason`, the function the lowering calls)
-    and, for a target and a concrete mesh, the check of the group's devices that lowering makes
-    (`jaxoverlap.fused.call.group_decision`)."""
+def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> tuple[str, str]:
+    """``(path, kernel)``. The path, ``"fused..."`` or ``"reference: <why>"``: what the op's CUDA
+    lowering decides for its own avals and params (`jaxoverlap.fused.unsupported_reason`, the
+    function the lowering calls) and, for a target and a concrete mesh, the check of the group's
+    devices that lowering makes (`jaxoverlap.fused.call.group_decision`). The kernel, for explain
+    where the path is fused: the custom call lowering emits (`jaxoverlap.fused.dispatch.kernel`),
+    else ``""``."""
     # several weights of one gathered x: the all_gather_matmul variant that returns x
     eqn = next((e for e in tiny.eqns if e.primitive.name in (op, op + "_keep")), None)
     if eqn is None or eqn.params["config"].backend == "xla":  # (several weights: plain ops)
-        return "reference: backend='xla'"
+        return "reference: backend='xla'", ""
     params, target = eqn.params, state.target
     n = math.prod(core.get_axis_env().axis_size(a) for a in params["axis_name"])
     x, w = (v.aval for v in eqn.invars)
@@ -265,20 +267,31 @@ def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> str:
         if isinstance(state.mesh, Mesh):
             _, reason = fused.group_decision(state.mesh, params["axis_name"], target)
             if reason is not None and params["config"].backend == "fused":
-                return f"error at lowering: backend='fused' cannot run here: {reason}"
+                return f"error at lowering: backend='fused' cannot run here: {reason}", ""
         elif not target.predicted:
-            return "fused, unless the group's devices are not NVLink peers (checked at lowering)"
+            path = "fused, unless the group's devices are not NVLink peers (checked at lowering)"
+            return path, _kernel(op, x, w, params, n, keep, target)
         elif n > target.gpus:  # (explain called inside a shard_map body: no concrete mesh)
             reason = f"the group has {n} devices; the target {target.name} has {target.gpus} GPUs"
     if reason is not None:
-        return f"reference: {reason}"
-    if params["config"].backend == "fused":
-        return "fused (backend='fused')"
+        return f"reference: {reason}", ""
     entry = next((e for e in (looked or ()) if e), None)
-    if entry is not None:
-        return (f"fused (tuned: {entry['ms_fused']:.3f} ms fused vs {entry['ms_xla']:.3f} ms "
+    if params["config"].backend == "fused":
+        path = "fused (backend='fused')"
+    elif entry is not None:
+        path = (f"fused (tuned: {entry['ms_fused']:.3f} ms fused vs {entry['ms_xla']:.3f} ms "
                 "XLA)")  # fmt: skip
-    return "fused (untuned: inside the conservative rule for backend='auto')"
+    else:
+        path = "fused (untuned: inside the conservative rule for backend='auto')"
+    return path, _kernel(op, x, w, params, n, keep, target)
+
+
+def _kernel(op, x, w, params, n, keep, target) -> str:
+    """explain's (``target`` set): the custom call lowering emits for a fused path, named."""
+    if target is None:  # (overlap: nothing prints it)
+        return ""
+    name, how = fused.dispatch.kernel(op, x, w, params, n, keep, target)
+    return f"{name} ({how})"
 
 
 def _first_line(e: Exception) -> str:
