@@ -7,9 +7,9 @@ three cases of tests/idioms.py on a 2-device ``tp`` mesh spanning the processes 
 book MLP under ``backend="auto"`` (the untuned rule picks both fused kernels), seqax's norm
 across K under ``backend="fused"`` (rewritten, fused), Flax NNX projections under ``"auto"``
 (held back: XLA's path) -- checks that what ``jaxoverlap.explain`` says for this machine (the
-live target) is what the compiled program contains (the jaxoverlap custom calls, by op), and
-that ``overlap(f)`` computes ``f``'s values (bf16 tolerance). Prints ``<case> OK ...`` or
-``<case> FAILED ...``.
+live target) is what the compiled program contains (the jaxoverlap custom calls, by op and by the
+kernel explain names), and that ``overlap(f)`` computes ``f``'s values (bf16 tolerance).
+Prints ``<case> OK ...`` or ``<case> FAILED ...``.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ def main(process, nproc, port, gpu):
             text = g.lower(*args).compile().as_text()
             ops = {"gemm_ar": "matmul_all_reduce", "ag_gemm": "all_gather_matmul",
                    "gemm_rs": "matmul_reduce_scatter"}  # fmt: skip
+            targets = set(re.findall(r'custom_call_target="(jaxoverlap_\w+)"', text))
             calls = collections.Counter(
-                next(op for k, op in ops.items() if k in t)
-                for t in set(re.findall(r'custom_call_target="(jaxoverlap_\w+)"', text))
+                next(op for k, op in ops.items() if k in t) for t in targets
             )
             assert calls == said, f"explain said {dict(said)}, compiled {dict(calls)}"
+            kernels = {c.kernel.split(" ")[0] for c in found if c.path.startswith("fused")}
+            assert kernels == targets, f"explain named {kernels}, compiled {targets}"
             got = np.asarray(g(*args).addressable_shards[0].data, np.float32)
             want = np.asarray(jax.jit(f)(*args).addressable_shards[0].data, np.float32)
             err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
