@@ -17,6 +17,7 @@ from collections import Counter
 import jax
 from jax._src import core
 
+from jaxoverlap import target as target_lib
 from jaxoverlap.config import Config
 from jaxoverlap.rewrite import Candidate, rewrite_closed_jaxpr
 
@@ -78,21 +79,40 @@ def overlap(fn=None, *, config: Config | None = None):
     return overlapped
 
 
-def explain(fn, *args, verbose: bool = True, **kwargs) -> list[Candidate]:
+def explain(
+    fn,
+    *args,
+    verbose: bool = True,
+    target=None,
+    tuning_cache: str | None = None,
+    config: Config | None = None,
+    **kwargs,
+) -> list[Candidate]:
     """Print and return one `Candidate` per matmul/collective pair `overlap` finds in ``fn``.
 
     Traces ``fn(*args, **kwargs)`` (nothing is computed; arguments may be arrays or
     ``jax.ShapeDtypeStruct``) and reports, for each pair, the op that would replace it and whether
-    it is replaced, or why not; for each rewrite, what it moved or reshaped and the path the op
-    takes on this machine's GPUs (fused, or the reference path and why); near misses (an
-    equation between the pair) with that equation and how to move it. It ends with one summary
-    line per path and per reason. ``verbose=False`` folds the out-of-scope skips (e.g. FSDP
-    weight gathers) into one line. ``fn`` may be a function returned by `overlap`; its config is
-    used. Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
+    it is replaced, or why not; for each rewrite, what it moved or reshaped and the path its CUDA
+    lowering takes on the target (fused and why -- a tuned entry, the untuned rule or
+    ``backend='fused'`` -- or XLA's path and why), decided by the function the lowering calls
+    (`jaxoverlap.fused.unsupported_reason`, and the check of the group's devices) under the same
+    ``Config`` and environment; near misses (an equation between the pair) with that equation, and
+    how to move it only where that keeps the values equal. It ends with one summary line per path
+    and per reason. ``verbose=False`` folds the out-of-scope skips (e.g. FSDP weight gathers) into
+    one line. ``fn`` may be a function returned by `overlap`; its config is used (else ``config``).
+    Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
+
+    ``target``: the machine to decide for: None -- this machine's GPUs, or, where it has none
+    (or no native extension), ``"2xH200"``; a name ``"<n>x<GPU>"`` (``"8xH100"``): n Hopper GPUs
+    of one process joined by NVLink, a prediction; or a `jaxoverlap.target.Target`.
+    ``tuning_cache``: a tuning cache file to decide from (e.g. the cluster's
+    ``~/.cache/jaxoverlap/tune-*.json``, copied to a laptop).
     """
-    fn, config = getattr(fn, "_jaxoverlap_wrapped", (fn, None))
+    fn, wrapped = getattr(fn, "_jaxoverlap_wrapped", (fn, None))
+    config = wrapped or config
+    where = target_lib.resolve(target, tuning_cache)
     closed, _, _ = _trace(fn, args, kwargs)
-    _, candidates = rewrite_closed_jaxpr(closed, config)
+    _, candidates = rewrite_closed_jaxpr(closed, config, where)
     name = getattr(fn, "__name__", repr(fn))
     shown = [c for c in candidates if verbose or c.kind != "out of scope"]
     lines = [str(c) for c in shown] or [
@@ -103,7 +123,8 @@ def explain(fn, *args, verbose: bool = True, **kwargs) -> list[Candidate]:
         lines.append(f"({len(candidates) - len(shown)} out-of-scope skips folded; verbose=True "
                      "lists them)")  # fmt: skip
     rewritten = sum(c.rewritten for c in candidates)
-    print(f"jaxoverlap.explain({name}): {rewritten} of {len(candidates)} candidates rewritten")
+    print(f"jaxoverlap.explain({name}): {rewritten} of {len(candidates)} candidates rewritten; "
+          f"GPU paths for {where.describe()}")  # fmt: skip
     print("\n".join([*lines, *summary(candidates)]), file=sys.stdout)
     return candidates
 

@@ -223,11 +223,13 @@ def matmul(x, w, *, out_sharding=None, config: Config | None = None):
       config: a `jaxoverlap.Config` for the ops it picks (``None``: defaults).
 
     Returns:
-      ``x @ w`` (``[..., N]``, ``x.dtype``). On meshes with Explicit axes (``jax.make_mesh``'s
-      default in jax 0.12) the operands' types say how they are sharded, and the op is chosen
-      at trace time (`plan`) and run in a ``jax.shard_map``. On Auto axes it is chosen when XLA
-      partitions the program (custom_partitioning); ``out_sharding`` is then a sharding
-      constraint on the result (without it, a row-parallel result is an all-reduce).
+      ``x @ w`` (``[..., N]``, in the dtype ``jnp.matmul`` promotes ``x`` and ``w`` to: mixed
+      dtypes are cast to it first, exactly, as a widening cast). On meshes with Explicit axes
+      (``jax.make_mesh``'s default in jax 0.12) the operands' types say how they are sharded,
+      and the op is chosen at trace time (`plan`) and run in a ``jax.shard_map``. On Auto axes
+      it is chosen when XLA partitions the program (custom_partitioning); ``out_sharding`` is
+      then a sharding constraint on the result (without it, a row-parallel result is an
+      all-reduce).
     """
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"jaxoverlap.matmul: config must be a jaxoverlap.Config, got {config!r}.")
@@ -236,11 +238,13 @@ def matmul(x, w, *, out_sharding=None, config: Config | None = None):
         raise ValueError(
             f"jaxoverlap.matmul: expected x [..., K] and w [K, N], got x {xs} and w {ws}."
         )
-    if jnp.result_type(x) != jnp.result_type(w):
+    dtype = jnp.result_type(x, w)  # mixed dtypes: promoted as jnp.matmul promotes them
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"jaxoverlap.matmul: x has dtype {jnp.result_type(x)} but w has "
-            f"{jnp.result_type(w)}; cast w with w.astype(x.dtype)."
+            f"jaxoverlap.matmul: x has dtype {jnp.result_type(x)} and w {jnp.result_type(w)}; "
+            "the ops compute in a float dtype: cast them with .astype(jnp.float32) or bf16."
         )
+    x, w = (a if jnp.result_type(a) == dtype else a.astype(dtype) for a in (x, w))
     out_spec = getattr(out_sharding, "spec", out_sharding)
     mesh = _explicit_mesh(x, w)
     if mesh is not None:

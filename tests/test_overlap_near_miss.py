@@ -36,12 +36,16 @@ ROW = (P(None, "tp"), P("tp", None))
 COL = (P("tp", None), P(None, "tp"))
 NEAR = {
     "tanh": (lambda x, w: _rs(jnp.tanh(x @ w)), ROW, P("tp"), "a tanh", "does not commute"),
+    # relu(psum(y)) is not psum(relu(y)): no advice to move it (it would change the result)
     "relu": (lambda x, w: lax.psum(jax.nn.relu(x @ w), "tp"), ROW, P(), "custom_jvp_call (relu)",
-             "apply it after"),
-    "scale": (lambda x, w: _rs((x @ w) * x[:, :1]), ROW, P("tp"), "a mul", "scale after"),
-    "row_bias": (
-        lambda x, w: _rs(x @ w + x[:, 0][:, None]), ROW, P("tp"), "a add",
-        "varies along the scattered dimension",
+             "no equal form"),
+    "scale": (lambda x, w: _rs((x @ w) * x[:, :1]), ROW, P("tp"), "a mul", "differs across"),
+    "replicated_scale": (lambda x, w: lax.psum((x @ w) * 0.5, "tp"), ROW, P(), "a mul",
+                         "scale after"),
+    # (a bias along the scattered rows is rewritten: tests/test_overlap_patterns.py)
+    "full_addend": (
+        lambda x, w: _rs(x @ w + jnp.tanh(x[:, :8])), ROW, P("tp"), "a add",
+        "not a broadcast bias",
     ),
     "reshape_moves_rows": (
         lambda x, w: _rs((x @ w).reshape(2, 8, 8), 1), ROW, P(None, "tp"), "a reshape",
@@ -141,7 +145,7 @@ def test_explain_summary_and_verbose_false_folds_fsdp_gathers(capsys):
     assert sum(int(ln.split()[0]) for ln in path_lines) == 2, summary
     assert "out of scope: the gathered value is the matmul's weight operand" in summary[-1]
     for c in found[1:]:  # the path is computed by jaxoverlap.fused for the op's own operands
-        assert c.path == "fused" or c.path.startswith("reference: "), c.path
+        assert c.path.startswith(("fused", "reference: ")), c.path
     explain(f, *args)
     assert "skipped   all_gather_matmul" in capsys.readouterr().out
 

@@ -190,7 +190,7 @@ def test_eager_and_config():
     [
         ((jnp.ones((4, 8)), jnp.ones((4, 2))), {}, ValueError, "x \\[..., K\\] and w \\[K, N\\]"),
         ((jnp.ones((4, 8)), jnp.ones((8, 2, 1))), {}, ValueError, "w \\[K, N\\]"),
-        ((jnp.ones((4, 8)), jnp.ones((8, 2), jnp.bfloat16)), {}, TypeError, "astype"),
+        ((jnp.ones((4, 8), jnp.int32), jnp.ones((8, 2), jnp.int32)), {}, TypeError, "astype"),
         ((jnp.ones((4, 8)), jnp.ones((8, 2))), {"config": "xla"}, TypeError, "Config"),
     ],
 )

@@ -22,6 +22,7 @@ import math
 import jax
 
 from jaxoverlap import runtime, topology, xproc
+from jaxoverlap import target as target_lib
 from jaxoverlap.fused import targets
 from jaxoverlap.fused.knobs import _profile, _stall_rank, _stall_target
 
@@ -34,24 +35,33 @@ def _group_table(ctx, axis_name):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     if mesh is None:
         raise FusedUnavailable("not lowered inside shard_map (no mesh in the lowering context)")
+    table, why = group_decision(mesh, axis_name)
+    if why:
+        raise FusedUnavailable(why)
+    return table
+
+
+def group_decision(mesh, axis_name, target=None):
+    """``(this process's rows of the group table, None)`` when the devices of ``mesh`` can run
+    the fused kernels over ``axis_name``, else ``(None, why not)``. ``target``: a
+    `jaxoverlap.target.Target` whose facts to decide from (None: this machine's; explain)."""
+    facts = target_lib.live() if target is None else target
     try:
         table = topology.group_table(mesh, axis_name)
     except topology.TopologyError as e:
-        raise FusedUnavailable(str(e)) from None
-    if runtime.native() is None:
-        raise FusedUnavailable(runtime.unavailable_reason())
-    process = topology.this_process()
-    why = topology.unfusable_reason(
-        table,
-        process_index=process,
-        can_access_peer=runtime.can_access_peer,
-        compute_capability=runtime.compute_capability,
-        peer_link=runtime.peer_link,
-        cross_process=xproc.decide if xproc.client() is not None else None,
-    )
+        return None, str(e)
+    if not facts.native_loaded():
+        return None, facts.native_reason()
+    if facts.predicted and mesh.devices.size > facts.gpus:
+        return None, (
+            f"the mesh has {mesh.devices.size} devices; the target {facts.name} has "
+            f"{facts.gpus} GPUs in one process"
+        )
+    process = 0 if facts.predicted else topology.this_process()
+    why = topology.unfusable_reason(table, process_index=process, **facts.facts())
     if why:
-        raise FusedUnavailable(why)
-    return topology.local_rows(table, process)  # ordinals are per process
+        return None, why
+    return topology.local_rows(table, process), None  # ordinals are per process
 
 
 def site_key(table, comm_sms, chunks, kind):

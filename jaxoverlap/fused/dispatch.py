@@ -2,14 +2,16 @@
 
 Contract with `jaxoverlap/ops/*` (the only callers, through the `jaxoverlap.fused` face):
 
-* ``unsupported_reason(op, x, w, params, axis_size)`` is asked at trace time (bind) with the
-  per-device avals, by the op's lowering and by ``explain``. It returns ``None`` when nothing
-  known at trace time rules the fused path out, else a sentence saying why (no native extension,
-  dtype, alignment, ...). ``backend="fused"`` raises with that sentence; ``"auto"`` takes the
-  reference path and logs it once.
+* ``unsupported_reason(op, x, w, params, axis_size, keep_gathered, target)`` is asked at trace
+  time (bind) with the per-device avals, by the op's lowering and by ``explain`` (for a
+  ``target``). It returns ``None`` when nothing known at trace time rules the fused path out,
+  else a sentence saying why (no native extension, dtype, alignment, ...). ``backend="fused"``
+  raises with that sentence; ``"auto"`` takes the reference path and logs it once.
 * ``lower(op, ctx, x, w, params)`` is called from the op's CUDA lowering rule. It returns the
   custom call's results, or raises `FusedUnavailable` with a sentence saying why the fused path
   cannot run here (platform, topology, mesh) -- known only at lowering time.
+* ``kernel(op, x, w, params, axis_size, keep_gathered, target)``: which custom call ``lower``
+  emits for a call that runs fused, and its schedule in words (``explain`` prints it).
 
 ``op`` is one of ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``, ``"matmul_all_reduce"``;
 ``params`` is the primitive's params dict (``axis_name`` as a tuple, ``scatter_dimension`` or
@@ -32,25 +34,29 @@ import math
 import numpy as np
 
 from jaxoverlap import runtime, topology
-from jaxoverlap.fused import call, last_dim, policy, rows, tile
+from jaxoverlap.fused import call, last_dim, policy, rows, targets, tile
 from jaxoverlap.fused.call import FusedUnavailable
 from jaxoverlap.fused.policy import _FUSED_OPS, _SUPPORTED, DEFAULT_COMM_SMS
 
 
-def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False):
-    """Trace-time check; see the module docstring. ``keep_gathered``: all_gather_matmul's
-    variant that also returns the gathered x (the training path's forward), which
-    ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are allowed."""
-    why = _unsupported_reason(op, x, w, params, axis_size)
+def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=None):
+    """Trace-time check; see the module docstring. The one decision: the ops' CUDA lowering asks
+    it for this machine, ``explain`` for a `jaxoverlap.target.Target` (``target``: whose facts
+    -- extension, GPU kind, tuning cache -- to decide from; None: this machine's). The group's
+    devices are checked when the call is emitted (`call.group_decision`). ``keep_gathered``:
+    all_gather_matmul's variant that also returns the gathered x (the training path's forward),
+    which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
+    allowed."""
+    why = _unsupported_reason(op, x, w, params, axis_size, target)
     if why is None and keep_gathered and params["config"].backend == "auto":
         why = policy.new_kernels_reason()
     return why
 
 
-def _unsupported_reason(op, x, w, params, axis_size):
+def _unsupported_reason(op, x, w, params, axis_size, target):
     if op not in _FUSED_OPS:
         return f"{op} has no fused GPU kernel in this version (only {', '.join(_FUSED_OPS)})"
-    why = runtime.unavailable_reason()
+    why = runtime.unavailable_reason() if target is None else target.native_reason()
     if why:
         return why
     if x.dtype != w.dtype or not any(x.dtype == np.dtype(t) for t in _SUPPORTED):
@@ -64,8 +70,8 @@ def _unsupported_reason(op, x, w, params, axis_size):
         if not 2 <= n <= topology.MAX_GROUP:
             return f"group size {n} is outside 2..{topology.MAX_GROUP}"
         if gather:
-            return last_dim.unsupported_reason_k(x, w, params, n)
-        return last_dim.unsupported_reason(x, w, params, n)
+            return last_dim.unsupported_reason_k(x, w, params, n, target)
+        return last_dim.unsupported_reason(x, w, params, n, target)
     # Any dimension but the last: the custom call takes x (and gives its results) with that
     # dimension major-most (`call.rows_major`), so each rank's block is contiguous rows of x[..., K]
     # ([B, S, D] split over S: sequence parallelism) -- the same kernel.
@@ -98,7 +104,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
         if config.backend != "auto":
             return None
         return policy.new_kernels_reason() or policy._auto_reason(
-            op, m_total, k, n_cols, x.dtype, n
+            op, m_total, k, n_cols, x.dtype, n, target
         )
     chunks = policy.choose_chunks(m, k, n_cols, config.chunks or (1 if gather else None))
     if chunks is None:
@@ -108,7 +114,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
         )
     if gather:
         return (
-            policy._auto_reason(op, m * n, k, n_cols, x.dtype, n)
+            policy._auto_reason(op, m * n, k, n_cols, x.dtype, n, target)
             if config.backend == "auto"
             else None
         )
@@ -116,7 +122,7 @@ def _unsupported_reason(op, x, w, params, axis_size):
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        return policy._auto_reason(op, m_total, k, n_cols, x.dtype, n)
+        return policy._auto_reason(op, m_total, k, n_cols, x.dtype, n, target)
     return None
 
 
@@ -126,12 +132,46 @@ def lower(op, ctx, x, w, params, keep_gathered=False):
     if op not in _FUSED_OPS:
         raise FusedUnavailable(f"{op} has no fused GPU kernel in this version")
     table = call._group_table(ctx, params["axis_name"])
-    if op == "matmul_all_reduce":
-        return rows.lower_scatter(op, ctx, x, w, params, table)
-    if call.row_dim(params) == ctx.avals_in[0].ndim - 1:
-        if op == "all_gather_matmul":
+    gather = op == "all_gather_matmul"
+    if _schedule(op, params, ctx.avals_in[0].ndim) is last_dim:
+        if gather:
             return last_dim.lower_k(ctx, x, w, params, table, keep_gathered)
         return last_dim.lower(ctx, x, w, params, table)
-    if op == "all_gather_matmul":
+    if gather:
         return rows.lower_gather(ctx, x, w, params, table, keep_gathered)
     return rows.lower_scatter(op, ctx, x, w, params, table)
+
+
+def _schedule(op, params, ndim):
+    """The schedule module that lowers a fused call of ``op`` (x of rank ``ndim``): `last_dim`
+    where the gathered or scattered dimension is x's last, else `rows` (the all-reduce's too)."""
+    if op != "matmul_all_reduce" and call.row_dim(params) == ndim - 1:
+        return last_dim
+    return rows
+
+
+def kernel(op, x, w, params, axis_size, keep_gathered=False, target=None):
+    """``(FFI target, its schedule in words)``: the custom call `lower` emits for a call that
+    runs fused (``explain`` names it). Routed as `lower` routes (`_schedule`); the reduce-scatter
+    over rows takes its kernel and settings from `policy.rows_setting`, as `rows.lower_scatter`
+    does. ``target``: as `unsupported_reason`'s."""
+    gather = op == "all_gather_matmul"
+    if _schedule(op, params, x.ndim) is last_dim:
+        if gather:
+            return targets.AG_K_TARGET, "the all-gather along K"
+        return targets.GEMM_RS_TARGET, "the last dimension, as the transposed problem"
+    if gather:
+        kept = ", also returning the gathered x" if keep_gathered else ""
+        return rows.gather_target(keep_gathered), f"row blocks pushed by the copy engine{kept}"
+    config, m_total, n = params["config"], policy._rows(x.shape), int(axis_size)
+    name, chunks, comm_sms, _ = policy.rows_setting(
+        op, config, m_total, x.shape[-1], w.shape[1], x.dtype, n, target
+    )
+    how = {
+        targets.GEMM_RS_TILE_TARGET: "the tile schedule",
+        targets.GEMM_RS_CE_TARGET: f"{chunks} chunk(s) per block, pushed by the copy engine",
+        targets.GEMM_RS_TARGET: f"{chunks} chunk(s) per block, {comm_sms} SMs pushing by TMA",
+        targets.GEMM_AR_TARGET: f"{chunks} chunk(s) per block, {comm_sms} SMs reducing, then "
+        "the copy engine gathering the reduced rows",
+    }
+    return name, how[name]

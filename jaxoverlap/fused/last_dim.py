@@ -56,7 +56,7 @@ def choose_chunks(m, k, n_cols, requested=None):
     return None
 
 
-def unsupported_reason(x, w, params, n):
+def unsupported_reason(x, w, params, n, target=None):
     """Why the last-dimension reduce-scatter of ``x @ w`` cannot run fused, or None."""
     m_total, k, n_cols = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     if not (m_total and k and n_cols):
@@ -79,11 +79,11 @@ def unsupported_reason(x, w, params, n):
     if config.backend == "auto":
         if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the last dimension, through the transposed problem)"
-        return policy._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n)
+        return policy._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n, target)
     return None
 
 
-def unsupported_reason_k(x, w, params, n):
+def unsupported_reason_k(x, w, params, n, target=None):
     """Why the all-gather along K of ``all_gather(x, -1) @ w`` cannot run fused, or None."""
     m_total, k, n_cols = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
     if not (m_total and k and n_cols):
@@ -103,7 +103,7 @@ def unsupported_reason_k(x, w, params, n):
     if config.backend == "auto":
         if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the all-gather along K)"
-        return policy._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n)
+        return policy._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n, target)
     return None
 
 

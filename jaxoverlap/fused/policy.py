@@ -45,18 +45,26 @@ DEFAULT_COMM_SMS = 4  # GEMM keeps a structured 128-SM partition (measured best,
 _AG_AUTO_MIN = (4096, 4096, 2048)  # (gathered rows, K, N_local)
 
 
-def tuned(op, m_total, k, n_cols, dtype, n):
-    """The tuner's entry for this op and shape on this machine's GPUs, or None."""
-    devices = jax.devices()
-    if devices[0].platform != "gpu":
+def tuned(op, m_total, k, n_cols, dtype, n, target=None):
+    """The tuner's entry for this op and shape on this machine's GPUs, or None. ``target``: a
+    `jaxoverlap.target.Target` to decide for (explain): a named one's entry from its tuning cache
+    (none without one); this machine's from the cache it names. Each entry read is noted in
+    ``target.lookups`` (what explain says a decision came from)."""
+    cache_file = target.tuning_cache if target is not None else None
+    if target is not None and target.predicted:
+        kind = target.device_kind if cache_file else None
+    else:
+        devices = jax.devices()
+        kind = devices[0].device_kind if devices[0].platform == "gpu" else None
+    if kind is None:
         return None
-    key = cache.Key(
-        op, m_total, k, n_cols, str(np.dtype(dtype)), n,
-        devices[0].device_kind,
-    )  # fmt: skip
-    entry = cache.lookup(key)
-    if jax.process_count() > 1:  # every process lowers the same program (xproc.agree)
-        entry = xproc.agree("tuned/" + xproc.exchange_key((), (key.id(),)), entry)
+    key = cache.Key(op, m_total, k, n_cols, str(np.dtype(dtype)), n, kind)
+    entry = cache.lookup(key, cache_file)
+    live = target is None or not target.predicted
+    if live and jax.process_count() > 1 and cache_file is None:  # every process lowers the
+        entry = xproc.agree("tuned/" + xproc.exchange_key((), (key.id(),)), entry)  # same program
+    if target is not None:
+        target.lookups.append(entry)
     return entry
 
 
@@ -91,11 +99,11 @@ def ag_auto_predicts_win(m_gathered, k, n_cols, n):
     )
 
 
-def _auto_reason(op, m, k, n_cols, dtype, n):
+def _auto_reason(op, m, k, n_cols, dtype, n, target=None):
     """None if backend="auto" should take the fused path, else why not. ``m`` is the rows of
     x as the op's tuning key counts them: per device for matmul_reduce_scatter, gathered for
-    all_gather_matmul."""
-    entry = tuned(op, m, k, n_cols, dtype, n)
+    all_gather_matmul. ``target``: as `tuned`'s."""
+    entry = tuned(op, m, k, n_cols, dtype, n, target)
     shape = f"M={m} K={k} N={n_cols} over {n} GPUs"
     if entry is not None:
         if entry["choice"] == "fused":
@@ -164,13 +172,15 @@ def new_kernels_reason():
     )
 
 
-def rows_setting(op, config, m_total, k, n_cols, dtype, n):
+def rows_setting(op, config, m_total, k, n_cols, dtype, n, target=None):
     """The reduce-scatter over rows (``op`` matmul_reduce_scatter, or matmul_all_reduce, its
     schedule with the reduced rows gathered): ``(target, chunks, comm_sms, swizzle)`` with the
     settings the tuner found for ``op`` and this shape, else the defaults; an explicit
-    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule."""
+    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule.
+    ``target``: the `jaxoverlap.target.Target` whose tuning cache to read, as `tuned`'s (explain
+    names the kernel with it)."""
     rs = op == "matmul_reduce_scatter"
-    entry = tuned(op, m_total, k, n_cols, dtype, n)
+    entry = tuned(op, m_total, k, n_cols, dtype, n, target)
     if rs and schedule_of(config, entry) == "tile":
         return targets.GEMM_RS_TILE_TARGET, 1, 0, (entry or {}).get("swizzle")
     setting = tuned_setting(op, m_total, k, n_cols, dtype, n, entry)

@@ -21,12 +21,18 @@ from jaxoverlap import xproc
 from jaxoverlap.fused import call, policy, targets, tile
 
 
+def gather_target(keep_gathered):
+    """all_gather_matmul over rows: its FFI target (``keep_gathered``: the variant that also
+    returns the gathered x)."""
+    return targets.AG_GEMM_KEEP_TARGET if keep_gathered else targets.AG_GEMM_TARGET
+
+
 def lower_gather(ctx, x, w, params, table, keep_gathered):
     """all_gather_matmul over rows; ``keep_gathered``: the variant that also returns x."""
     x_aval, w_aval = ctx.avals_in
     m, k, n_cols = policy._rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
     chunks = policy.ag_rows_chunks(params["config"], m, k, n_cols, x_aval.dtype, table.n)
-    target = targets.AG_GEMM_KEEP_TARGET if keep_gathered else targets.AG_GEMM_TARGET
+    target = gather_target(keep_gathered)
     workspace = (xproc.spec_bytes(m, k, x_aval.dtype), False, False)  # x's block
     spec = call.row_spec(ctx, params, target, 0, chunks, workspace)
     return call.emit(ctx, table, spec, x, w)

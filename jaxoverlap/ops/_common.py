@@ -19,6 +19,7 @@ from jax.interpreters import ad, mlir
 
 from jaxoverlap import fused
 from jaxoverlap.config import DEFAULT, Config
+from jaxoverlap.target import tracing_target
 
 log = logging.getLogger("jaxoverlap")
 
@@ -133,7 +134,9 @@ def check_fused_possible(op, x, w, params, n):
     """``backend="fused"``: fail at trace time when the fused path is ruled out already."""
     if params["config"].backend != "fused":
         return
-    reason = fused.unsupported_reason(op, core.typeof(x), core.typeof(w), params, n)
+    reason = fused.unsupported_reason(
+        op, core.typeof(x), core.typeof(w), params, n, target=tracing_target()
+    )  # (tracing_target: explain's target, while it traces the ops; else None, this machine)
     if reason is not None:
         raise ValueError(f"jaxoverlap.{op}: backend='fused' cannot run here: {reason}")
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core
 
-from jaxoverlap.rewrite import views
+from jaxoverlap.rewrite import advice, norms, views
 from jaxoverlap.rewrite.patterns import (
-    GATHER_HINT,
+    COLLECTIVES,
     MAX_BETWEEN,
     ROUNDED,
     SUM_PRIMS,
@@ -40,6 +41,12 @@ _MOVABLE = ("convert_element_type", "reshape", "transpose")
 def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     coll = g.eqns[i]
     x, v = coll.invars[0], coll.outvars[0]
+    if v.aval.ndim < 2:  # a bias or a norm's scale (FSDP): never an x [..., K] of the ops
+        return None
+    norm = norms.match_norm(g, i)  # x gathered along K into a norm, then the matmul(s)
+    if norm is not None:
+        norm.reason = collective_problem(coll, manual_axes)
+        return norm
     n, d = group_size(coll), coll.params["all_gather_dimension"]
     axes = tuple(coll.params["axis_name"])
     between, blocker = [], None
@@ -49,7 +56,8 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         if dots:
             break
         if len(users) != 1 or g.uses[v] != 1 or not walkable(g.eqns[users[0]]):
-            return _near_miss_downstream(g, i, v, MAX_BETWEEN - len(between))
+            # (a norm in f32 with its casts is ~5 equations deep)
+            return _near_miss_downstream(g, i, v, 2 * MAX_BETWEEN - len(between))
         e = g.eqns[users[0]]
         if blocker is None and not (e.primitive.name in _MOVABLE and len(e.invars) == 1):
             blocker = e
@@ -61,7 +69,7 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     # like an x (einsum puts the weight first when the result starts with weight dims).
     pos = {j: g.eqns[j].invars.index(v) for j in dots}
     as_x = [j for j in dots if g.eqns[j].invars.count(v) == 1
-            and (pos[j] == 0 or not views.trailing_contraction(g.eqns[j], 0))]  # fmt: skip
+            and pos[j] == views.x_position(g.eqns[j])]  # fmt: skip
     first = min(as_x or dots)
     ws = tuple(g.eqns[j].invars[1 - pos[j]] for j in as_x)
     shown = "".join(f" -> {g.eqns[b].primitive.name}" for b in between)
@@ -90,8 +98,9 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         m.reason = "the gathered value is also used elsewhere (the ops do not expose it)"
     if m.reason is None and blocker is not None:
         m.kind = "near miss"
+        m.advice, text = advice.before_gather(g, i, set(dots), MAX_BETWEEN)
         m.reason = (f"a {eqn_name(blocker)} ({where(blocker)}) between the all_gather and "
-                    f"the matmul: {GATHER_HINT}")  # fmt: skip
+                    f"the matmul: {text}")  # fmt: skip
     if m.reason is not None:
         return m
     vs = [view for view, _ in results]
@@ -99,9 +108,15 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
         m.reason = "the matmuls of the gathered value contract different dimensions of it"
         return m
     if not all(g.defined_before(w, first) for w in ws):
-        m.reason = "a weight is computed after the first matmul of the gathered value"
-        return m
-    steps, notes = [], []
+        hoist = _hoistable(g, ws, first, i)
+        if hoist is None:
+            m.reason = "a weight is computed after the first matmul of the gathered value"
+            return m
+        m.hoist = hoist  # e.g. each projection's w.astype(bf16) just before its own matmul
+        notes_hoist = [f"{len(hoist)} equation(s) computing the weights moved before the op"]
+    else:
+        notes_hoist = []
+    steps, notes = [], notes_hoist
     shape = coll.outvars[0].aval.shape
     for b in between:  # casts and reshapes, moved before the gather
         e = g.eqns[b]
@@ -133,6 +148,8 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
             notes.append(f"matmul as x [..., K] @ {view.describe(w.aval)}")
     if any(c is not None for c in casts):
         notes.append(ROUNDED)
+    if vs[0].promote is not None:
+        notes.append(views.PROMOTED.format(vs[0].promote))
     if len(as_x) > 1:
         notes.append(f"{len(as_x)} matmuls of one gathered value: one op for all the weights "
                      "(not concatenated)")  # fmt: skip
@@ -150,6 +167,32 @@ def match_all_gather(g: Graph, i, manual_axes) -> Match | None:
     return m
 
 
+def _hoistable(g: Graph, ws, first, coll) -> tuple[int, ...] | None:
+    """The equations after ``first`` that compute the weights ``ws`` (a cast or reshape of each
+    parameter just before its own matmul: Flax modules with ``dtype=bf16``), to be moved up to
+    ``first``: pure, single-result, from values defined before ``first`` and not from the
+    gathered value. None where there are others."""
+    need, seen = [w for w in ws if not g.defined_before(w, first)], set()
+    while need:
+        v = need.pop()
+        j = g.producer[v]
+        if j in seen:
+            continue
+        e = g.eqns[j]
+        if (j == coll or e.effects or len(e.outvars) != 1 or e.primitive.name in COLLECTIVES
+                or not walkable(e) or e.primitive.name.startswith("custom_")):  # fmt: skip
+            return None
+        seen.add(j)
+        for a in e.invars:
+            if isinstance(a, core.Var) and not g.defined_before(a, first):
+                if a is g.eqns[coll].outvars[0]:
+                    return None
+                need.append(a)
+        if len(seen) > MAX_BETWEEN * len(ws):
+            return None
+    return tuple(sorted(seen))
+
+
 def _near_miss_downstream(g: Graph, i, v, depth) -> Match | None:
     """A matmul reached from ``v`` through up to ``depth`` walkable equations (e.g. a norm of
     the gathered value): a near miss naming the first of them. None if there is none."""
@@ -161,14 +204,22 @@ def _near_miss_downstream(g: Graph, i, v, depth) -> Match | None:
                 e = g.eqns[j]
                 if e.primitive.name == "dot_general" and first is not None:
                     f = g.eqns[first]
-                    return Match(
+                    p = e.invars.index(u)
+                    m = Match(
                         "all_gather_matmul", i, j, frozenset(), (), (), None,
                         detail=f"{collective_desc(g.eqns[i])} of {short(g.eqns[i].invars[0])} "
-                        f"-> {f.primitive.name} ... -> @ {short(e.invars[1])}",
+                        f"-> {f.primitive.name} ... -> @ {short(e.invars[1 - p])}",
                         location=where(e), kind="near miss",
-                        reason=f"a {eqn_name(f)} ({where(f)}) between the all_gather and "
-                        f"the matmul: {GATHER_HINT}",
                     )  # fmt: skip
+                    if p != views.x_position(e):  # e.g. an FSDP weight, cast or masked
+                        m.kind = "out of scope"
+                        m.reason = ("the gathered value is the matmul's weight operand (FSDP; "
+                                    "the ops gather x)")  # fmt: skip
+                        return m
+                    m.advice, text = advice.before_gather(g, i, {j}, MAX_BETWEEN * 4)
+                    m.reason = (f"a {eqn_name(f)} ({where(f)}) between the all_gather and the "
+                                f"matmul: {text}")  # fmt: skip
+                    return m
                 if j not in seen and walkable(e):
                     seen.add(j)
                     nxt.append((e.outvars[0], j if first is None else first))

@@ -31,24 +31,6 @@ SUM_PRIMS = ("psum_invariant", "psum")  # psum is psum_invariant under check_vma
 COLLECTIVES = frozenset({*SUM_PRIMS, "reduce_scatter", "all_gather", "all_to_all", "ppermute"})
 MAX_BETWEEN = 4  # equations searched between a matmul and its collective
 
-# How to move an equation found between a matmul and its reduction, for near-miss reasons.
-HINTS = {
-    "mul": "scale after the collective instead (a scale by a replicated value commutes with it)",
-    "div": "divide after the collective instead (by a replicated value it commutes with it)",
-    "neg": "negate after the collective",
-    "pvary": "the matmul's operands are both replicated; make one of them sharded",
-}
-LINEAR = frozenset({"reduce_sum", "slice", "squeeze", "broadcast_in_dim", "expand_dims", "pad",
-                    "dynamic_slice", "rev", "select_n", "concatenate"})  # fmt: skip
-OTHER = (
-    "the ops compute the collective of x @ w itself, and this does not commute with the sum; "
-    "apply it after the collective"
-)
-GATHER_HINT = (
-    "apply it before the all_gather, on the local rows: an elementwise op, or a row-wise one "
-    "such as a norm for a gather of rows, commutes with the gather (and costs 1/n there)"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -62,8 +44,11 @@ class Candidate:
       location: the user source line of the collective (or of the matmul for all_gather).
       scope: the nesting it was found in, outermost first, e.g. ``jit > shard_map > scan``.
       note: what the rewrite did besides swapping the pair (moved a bias, reshaped a weight...).
-      path: for a rewrite, the path the op takes on this machine's GPUs: ``"fused"`` or
+      path: for a rewrite, the path the op takes on the target's GPUs: ``"fused (why)"`` or
         ``"reference: <why>"`` (from `jaxoverlap.fused.unsupported_reason`).
+      kernel: explain's, where the path is fused: the custom call lowering emits and its
+        schedule, e.g. ``"jaxoverlap_gemm_rs_v1 (2 chunk(s) per block, 4 SMs pushing by TMA)"``
+        (from `jaxoverlap.fused.dispatch.kernel`).
       kind: ``"candidate"``; ``"near miss"`` (something between the pair stops it);
         ``"out of scope"`` (a pattern the ops do not implement, e.g. an FSDP weight gather).
     """
@@ -77,6 +62,7 @@ class Candidate:
     note: str = ""
     path: str = ""
     kind: str = "candidate"
+    kernel: str = ""
 
     def __str__(self):
         status = "rewritten" if self.rewritten else ("near miss" if self.kind == "near miss"
@@ -85,7 +71,8 @@ class Candidate:
         if not self.rewritten:
             return f"{line}\n          why: {self.reason}"
         note = f"\n          does: {self.note}" if self.note else ""
-        return f"{line}{note}\n          path: {self.path}"
+        kernel = f"\n          kernel: {self.kernel}" if self.kernel else ""
+        return f"{line}{note}\n          path: {self.path}{kernel}"
 
 
 @dataclasses.dataclass
@@ -108,10 +95,18 @@ class Match:
     reason: str | None = None
     note: str = ""
     kind: str = "candidate"
+    advice: object = None  # a near miss's `advice.Advice`, where moving the equation is equal
+    hoist: tuple[int, ...] = ()  # equations moved up to ``last`` (a weight's cast after it)
+    only_if_fused: bool = False  # applied only where the op then runs fused (rewrite/norms.py)
 
 
 class NearMiss(Exception):
-    """Something between the pair cannot be moved across the collective; the message says what."""
+    """Something between the pair cannot be moved across the collective; the message says what
+    (and ``advice``, an `advice.Advice` or None, how to move it where that is equal)."""
+
+    def __init__(self, message, advice=None):
+        super().__init__(message)
+        self.advice = advice
 
 
 def short(atom) -> str:
@@ -120,17 +115,6 @@ def short(atom) -> str:
 
 def where(eqn) -> str:
     return source_info_util.summarize(eqn.source_info)
-
-
-def hint(eqn) -> str:
-    """How to move ``eqn`` out from between a matmul and its reduce-scatter/psum."""
-    name = eqn.primitive.name
-    if name in LINEAR:
-        return (
-            f"the ops have no form with a {name} between the matmul and the collective; apply "
-            "it after the collective (being linear, after a psum it computes the same)"
-        )
-    return HINTS.get(name, OTHER)
 
 
 def group_size(eqn) -> int:

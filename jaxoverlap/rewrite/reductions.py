@@ -17,7 +17,7 @@ from jax import lax
 from jax._src import core
 from jax._src.config import _check_vma as check_vma
 
-from jaxoverlap.rewrite import views
+from jaxoverlap.rewrite import advice, views
 from jaxoverlap.rewrite.patterns import (
     MAX_BETWEEN,
     ROUNDED,
@@ -28,7 +28,6 @@ from jaxoverlap.rewrite.patterns import (
     collective_problem,
     eqn_name,
     group_size,
-    hint,
     rounds_back,
     short,
     walkable,
@@ -90,9 +89,9 @@ def match_reduction(g: Graph, i, manual_axes) -> Match | None:
         x2, w2 = g.eqns[k2].invars[int(view2.swapped)], g.eqns[k2].invars[1 - int(view2.swapped)]
         m.inputs, m.drop, rest = (x, w, x2, w2), m.drop | {k2}, rest[1:]
     try:
-        steps, extras, notes, d = _move_back(g, rest, d, n, axes)
+        steps, extras, notes, d = _move_back(g, rest, d, n, axes, i)
     except NearMiss as e:
-        m.kind, m.reason = "near miss", str(e)
+        m.kind, m.reason, m.advice = "near miss", str(e), e.advice
         return m
     op_shape = (*view.lead, math.prod(view.n_shape))
     unswapped = (*view.lead, *view.n_shape)
@@ -110,6 +109,8 @@ def match_reduction(g: Graph, i, manual_axes) -> Match | None:
         notes.insert(0, f"matmul as x [..., K] @ {view.describe(w.aval)}")
     if rounded:
         notes.insert(0, ROUNDED)
+    if view.promote is not None:
+        notes.insert(0, views.PROMOTED.format(view.promote))
 
     if pair is not None:
         notes.insert(0, "the sum of two matmuls is one op over x and w concatenated along K")
@@ -147,14 +148,16 @@ def _added_matmul(g: Graph, between, j, view):
     return (k, view2) if same and not why and len(dtypes) == 1 else None
 
 
-def _move_back(g: Graph, between, d, n, axes):
+def _move_back(g: Graph, between, d, n, axes, coll_index):
     """Steps that redo ``between`` after the collective, walking back from it.
 
     Returns ``(steps, extra inputs, notes, d at the matmul's result)``, ``d`` the scattered
     dimension (None for psum), or raises `NearMiss`. A cast, transpose or reshape moves across
     unchanged (the sum then runs in the matmul's dtype: within the tolerance of the narrower
     dtype). A bias ``c`` added on every rank adds ``psum(c)`` after the collective (``n * c``
-    for a replicated bias): it must be constant along the scattered dimension.
+    for a replicated bias); one that varies along the scattered dimension (a bias over N when N
+    is scattered: GPT-J, the shard_map tutorial) adds its scattered block: ``n * c[block]``, or
+    ``psum_scatter(c)`` for a bias that differs across the ranks.
     """
     steps, extras, notes = [], [], []
     for b, src in reversed(between):
@@ -181,18 +184,25 @@ def _move_back(g: Graph, between, d, n, axes):
         elif name in ("add", "sub"):
             other = e.invars[1] if e.invars[0] is src else e.invars[0]
             bias, keep = _bias_source(g, other, out.aval.ndim)
-            if bias is None or (d is not None and keep and keep[d] != 1):
-                raise NearMiss(why + "the added value varies along the scattered dimension (or "
-                               "is not a broadcast bias); add it after the collective")  # fmt: skip
+            if bias is None:
+                raise NearMiss(why + "the added value is not a broadcast bias but a full-size "
+                               "addend, which would be summed by the collective too; the ops "
+                               "have no form with it and no equal form is suggested")  # fmt: skip
+            along = d is not None and bool(keep) and keep[d] != 1  # varies along the scatter
             k = len(extras)
             extras.append(bias)
             op = "rsub" if (name == "sub" and e.invars[1] is src) else name
             lit = isinstance(bias, core.Literal)
-            steps.append(lambda y, ex, k=k, keep=keep, op=op, lit=lit:
-                         _add_bias(y, ex[k], keep, axes, op, lit))  # fmt: skip
-            notes.append(f"{name} of a bias moved after the collective (as its psum over {axes})")
+            sd = d if along else None
+            steps.append(lambda y, ex, k=k, keep=keep, op=op, lit=lit, sd=sd:
+                         _add_bias(y, ex[k], keep, axes, op, lit, sd))  # fmt: skip
+            how = "its scattered block of the psum" if along else "its psum"
+            notes.append(f"{name} of a bias moved after the collective (as {how} over {axes})")
         else:
-            raise NearMiss(why + hint(e))
+            scatter = g.eqns[coll_index].primitive.name == "reduce_scatter"
+            move, text = advice.after_collective(g, b, src, coll_index, scatter, axes,
+                                                 bool(check_vma.value))  # fmt: skip
+            raise NearMiss(why + text, move)
     return steps[::-1], extras, notes[::-1], d
 
 
@@ -225,11 +235,20 @@ def _bias_source(g: Graph, atom, ndim):
     return atom, keep
 
 
-def _add_bias(y, c, keep, axes, op, literal):
+def _add_bias(y, c, keep, axes, op, literal, scattered=None):
+    """``y`` plus (or minus) the sum over the ranks of the bias ``c`` each rank added; where
+    ``scattered`` is a dimension of ``keep`` along which c varies, only this rank's block."""
+    n = math.prod(core.get_axis_env().axis_size(a) for a in axes)
+    c = c.reshape(keep) if keep else c
     # A replicated bias (typed so under check_vma, or a literal): its psum is n * c.
     if literal or check_vma.value and not set(axes) & set(core.typeof(c).mat.varying):
-        c = c * math.prod(core.get_axis_env().axis_size(a) for a in axes)
+        c = c * n
+        if scattered is not None:
+            size = c.shape[scattered] // n
+            c = lax.dynamic_slice_in_dim(c, lax.axis_index(axes) * size, size, scattered)
+    elif scattered is not None:
+        c = lax.psum_scatter(c, axes, scatter_dimension=scattered, tiled=True)
     else:  # (without check_vma, replication is not typed: a psum of the small bias)
         c = lax.psum(c, axes)
-    c = lax.convert_element_type(c.reshape(keep) if keep else c, y.dtype)
+    c = lax.convert_element_type(c, y.dtype)
     return {"add": lambda: y + c, "sub": lambda: y - c, "rsub": lambda: c - y}[op]()

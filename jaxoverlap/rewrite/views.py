@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+PROMOTED = "mixed operand dtypes: both cast to {} first, the dtype jnp.matmul computes in"
+
 
 @dataclasses.dataclass(frozen=True)
 class DotView:
@@ -33,6 +35,7 @@ class DotView:
     w_perm: tuple[int, ...] | None  # transpose of w putting its contracted dims first (x's order)
     n_shape: tuple[int, ...]  # w's free dims, in order: the dot_general's trailing result dims
     swapped: bool = False  # x is the dot_general's second operand: its result is [*n, *lead]
+    promote: object = None  # mixed operand dtypes: both are cast to this one (jnp.matmul's)
 
     @property
     def reshaped(self) -> bool:
@@ -46,9 +49,11 @@ class DotView:
         return len(self.lead) + d if d < len(self.n_shape) else d - len(self.n_shape)
 
     def x2(self, x):
+        x = x if self.promote is None else x.astype(self.promote)
         return x if len(self.k_shape) == 1 else x.reshape(*x.shape[: len(self.lead)], -1)
 
     def w2(self, w):
+        w = w if self.promote is None else w.astype(self.promote)
         if self.w_perm is not None:
             w = jnp.transpose(w, self.w_perm)
         return w.reshape(math.prod(self.k_shape), math.prod(self.n_shape))
@@ -137,12 +142,14 @@ def dot_view(
     problem = dtype_problem(eqn, rounded)
     if problem:
         return None, problem
+    promote = eqn.params.get("preferred_element_type") if xa.dtype != wa.dtype else None
     view = DotView(
         lead=tuple(xa.shape[: xa.ndim - c]),
         k_shape=tuple(xa.shape[xa.ndim - c :]),
         w_perm=None if perm == tuple(range(wa.ndim)) else perm,
         n_shape=tuple(wa.shape[d] for d in free),
         swapped=bool(x_pos),
+        promote=None if promote is None else np.dtype(promote),
     )
     return view, None
 
@@ -154,8 +161,16 @@ def dtype_problem(eqn, rounded: bool = False) -> str | None:
     ``preferred_element_type`` then only says "accumulate in it and round once", which is what
     the ops do (f32 accumulation, a result in the operand dtype)."""
     xa, wa = (v.aval for v in eqn.invars)
+    pet = eqn.params.get("preferred_element_type")
     if xa.dtype != wa.dtype:
-        return f"the operands have different dtypes ({xa.dtype} and {wa.dtype})"
+        # jnp.matmul of mixed float dtypes: a dot_general of the promoted dtype, which casting
+        # both operands to it (exactly: a widening cast) computes the same.
+        promoted = jnp.promote_types(xa.dtype, wa.dtype)
+        floats = all(jnp.issubdtype(a.dtype, jnp.floating) for a in (xa, wa))
+        if not floats or pet is None or np.dtype(pet) != promoted:
+            return (f"the operands have different dtypes ({xa.dtype} and {wa.dtype}) and the "
+                    "result is not their promoted dtype")  # fmt: skip
+        xa = xa.update(dtype=promoted)  # the checks below are the promoted matmul's
     if not jnp.issubdtype(xa.dtype, jnp.floating):
         return f"dtype {xa.dtype} is not floating point (the ops are float-only)"
     if not is_default_precision(eqn.params.get("precision")):
@@ -163,7 +178,6 @@ def dtype_problem(eqn, rounded: bool = False) -> str | None:
             f"precision={eqn.params['precision']} (the ops run the matmul at default precision, "
             "which may differ); drop precision= to let overlap rewrite it"
         )
-    pet = eqn.params.get("preferred_element_type")
     if pet is not None and np.dtype(pet) != xa.dtype and not rounded:
         return (
             f"preferred_element_type={np.dtype(pet)} with {xa.dtype} operands: the ops return "

@@ -28,12 +28,13 @@ from jax._src import config as jax_config
 from jax._src import linear_util as lu
 from jax._src import shard_map as shard_map_lib
 from jax._src.interpreters import partial_eval as pe
-from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
+from jax._src.mesh import Mesh, get_abstract_mesh, use_abstract_mesh
 from jax.extend.core import ClosedJaxpr  # public alias; jax 0.12 merged it into Jaxpr
 
 from jaxoverlap import fused, ops
 from jaxoverlap.rewrite import gathers, patterns, reductions
 from jaxoverlap.rewrite.patterns import Candidate, Match
+from jaxoverlap.target import tracing_for
 
 # Primitives whose jaxpr-valued parameters are run as they are: safe to rewrite inside.
 _TRANSPARENT = frozenset(
@@ -61,6 +62,8 @@ class _State:
     candidates: list[Candidate]
     scope: tuple[str, ...] = ()
     blocked: str | None = None
+    target: object = None  # explain: the `jaxoverlap.target.Target` the paths are decided for
+    mesh: object = None  # the innermost shard_map's mesh
 
     def enter(self, label: str, blocked: str | None) -> _State:
         return dataclasses.replace(
@@ -68,13 +71,15 @@ class _State:
         )
 
 
-def rewrite_closed_jaxpr(closed: ClosedJaxpr, config=None):
+def rewrite_closed_jaxpr(closed: ClosedJaxpr, config=None, target=None):
     """``closed`` with the jaxoverlap ops spliced in, and the list of `Candidate` found.
 
     Must run in the context the jaxpr was traced in (inside the same shard_map trace if it was
     traced inside one), since ops at the top level are traced in the current context.
+    ``target``: the `jaxoverlap.target.Target` each candidate's GPU path is decided for (None:
+    this machine, without the lowering-time check of the group's devices).
     """
-    state = _State(config=config, candidates=[])
+    state = _State(config=config, candidates=[], target=target)
     jaxpr = _rewrite_jaxpr(closed.jaxpr, state)
     if jaxpr is not closed.jaxpr:
         closed = ClosedJaxpr(jaxpr, closed.consts)
@@ -120,18 +125,24 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
     for m in find_matches(jaxpr, frozenset(get_abstract_mesh().manual_axes)):
         if m.reason is None and state.blocked:
             m.reason = state.blocked
-        path = ""
+        path = kernel = ""
         if m.reason is None:
             try:
-                splices[m.last], path = _op_eqns(m, state.config, jaxpr.eqns[m.last])
-                dropped.update(m.drop)
+                eqns, (path, kernel) = _op_eqns(m, state, jaxpr.eqns[m.last])
+                if m.only_if_fused and not path.startswith("fused"):
+                    raise _Rejected(
+                        "left as written: the norm is computed per block only where the "
+                        f"all_gather_matmul along K it makes runs fused, and here {path}"
+                    )
+                splices[m.last] = [*(jaxpr.eqns[h] for h in m.hoist), *eqns]
+                dropped.update(m.drop, m.hoist)
             except _Rejected as e:
                 m.reason = str(e)
         state.candidates.append(
             Candidate(
                 op=m.op, rewritten=m.reason is None, reason=m.reason or "", detail=m.detail,
                 location=m.location, scope=" > ".join(state.scope) or "top level",
-                note=m.note, path=path, kind=m.kind,
+                note=m.note, path=path, kind=m.kind, kernel=kernel,
             )
         )  # fmt: skip
     if not splices:
@@ -151,6 +162,8 @@ def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
         return eqn
     label = f"jit({eqn.params['name']})" if name in ("jit", "pjit") else _LABELS.get(name, name)
     inner = state.enter(label, _OPAQUE.get(name))
+    if name == "shard_map":
+        inner = dataclasses.replace(inner, mesh=eqn.params["mesh"])
     context = _shard_map_context(eqn.params) if name == "shard_map" else contextlib.nullcontext()
     with context:
         params = {k: _rewrite_param(v, inner) for k, v in eqn.params.items()}
@@ -191,9 +204,10 @@ def _op_fn(op: str):
     return getattr(ops, op)
 
 
-def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
+def _op_eqns(m: Match, state: _State, anchor: core.JaxprEqn):
     """The equations computing ``m.build`` into ``m.outs``, traced in the current context, and
-    the path the op takes on this machine's GPUs."""
+    the path the op takes on the target's GPUs with its kernel (`_gpu_path`)."""
+    config = state.config
     fn = functools.partial(_op_fn(m.op), config=config)
     in_avals = [a.aval for a in m.inputs]
 
@@ -202,9 +216,10 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
 
     dbg = api_util.debug_info("jaxoverlap.overlap", call, in_avals, {})
     try:
-        tiny, out_avals, consts = pe.trace_to_jaxpr_dynamic(
-            lu.wrap_init(call, debug_info=dbg), in_avals
-        )
+        with tracing_for(state.target):
+            tiny, out_avals, consts = pe.trace_to_jaxpr_dynamic(
+                lu.wrap_init(call, debug_info=dbg), in_avals
+            )
     except (TypeError, ValueError, NotImplementedError) as e:
         raise _Rejected(f"jaxoverlap.{m.op} does not accept it: {_first_line(e)}") from None
     for new, out in zip(out_avals, m.outs, strict=True):
@@ -226,27 +241,57 @@ def _op_eqns(m: Match, config, anchor: core.JaxprEqn):
         e.replace(invars=sub(e.invars), outvars=sub(e.outvars), source_info=anchor.source_info)
         for e in tiny.eqns
     ]
-    return eqns, _gpu_path(m.op, tiny, config)
+    return eqns, _gpu_path(m.op, tiny, state)
 
 
-def _gpu_path(op: str, tiny: core.Jaxpr, config) -> str:
-    """``"fused"``, or ``"reference: <why>"``, from the op's own avals and params (as its lowering
-    decides at trace time; lowering can still fall back, e.g. for GPUs that are not peers)."""
+def _gpu_path(op: str, tiny: core.Jaxpr, state: _State) -> tuple[str, str]:
+    """``(path, kernel)``. The path, ``"fused..."`` or ``"reference: <why>"``: what the op's CUDA
+    lowering decides for its own avals and params (`jaxoverlap.fused.unsupported_reason`, the
+    function the lowering calls) and, for a target and a concrete mesh, the check of the group's
+    devices that lowering makes (`jaxoverlap.fused.call.group_decision`). The kernel, for explain
+    where the path is fused: the custom call lowering emits (`jaxoverlap.fused.dispatch.kernel`),
+    else ``""``."""
     # several weights of one gathered x: the all_gather_matmul variant that returns x
     eqn = next((e for e in tiny.eqns if e.primitive.name in (op, op + "_keep")), None)
     if eqn is None or eqn.params["config"].backend == "xla":  # (several weights: plain ops)
-        return "reference: backend='xla'"
-    params = eqn.params
+        return "reference: backend='xla'", ""
+    params, target = eqn.params, state.target
     n = math.prod(core.get_axis_env().axis_size(a) for a in params["axis_name"])
     x, w = (v.aval for v in eqn.invars)
-    reason = fused.unsupported_reason(op, x, w, params, n)
-    if (
-        reason is None
-        and eqn.primitive.name.endswith("_keep")
-        and params["config"].backend == "auto"
-    ):
-        reason = fused.new_kernels_reason()  # as its lowering decides (ops/_common.py)
-    return "fused" if reason is None else f"reference: {reason}"
+    looked = target.lookups if target is not None else None
+    if looked is not None:
+        looked.clear()
+    keep = eqn.primitive.name.endswith("_keep")
+    reason = fused.unsupported_reason(op, x, w, params, n, keep_gathered=keep, target=target)
+    if reason is None and target is not None:
+        if isinstance(state.mesh, Mesh):
+            _, reason = fused.group_decision(state.mesh, params["axis_name"], target)
+            if reason is not None and params["config"].backend == "fused":
+                return f"error at lowering: backend='fused' cannot run here: {reason}", ""
+        elif not target.predicted:
+            path = "fused, unless the group's devices are not NVLink peers (checked at lowering)"
+            return path, _kernel(op, x, w, params, n, keep, target)
+        elif n > target.gpus:  # (explain called inside a shard_map body: no concrete mesh)
+            reason = f"the group has {n} devices; the target {target.name} has {target.gpus} GPUs"
+    if reason is not None:
+        return f"reference: {reason}", ""
+    entry = next((e for e in (looked or ()) if e), None)
+    if params["config"].backend == "fused":
+        path = "fused (backend='fused')"
+    elif entry is not None:
+        path = (f"fused (tuned: {entry['ms_fused']:.3f} ms fused vs {entry['ms_xla']:.3f} ms "
+                "XLA)")  # fmt: skip
+    else:
+        path = "fused (untuned: inside the conservative rule for backend='auto')"
+    return path, _kernel(op, x, w, params, n, keep, target)
+
+
+def _kernel(op, x, w, params, n, keep, target) -> str:
+    """explain's (``target`` set): the custom call lowering emits for a fused path, named."""
+    if target is None:  # (overlap: nothing prints it)
+        return ""
+    name, how = fused.dispatch.kernel(op, x, w, params, n, keep, target)
+    return f"{name} ({how})"
 
 
 def _first_line(e: Exception) -> str:
