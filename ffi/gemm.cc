@@ -87,6 +87,11 @@ void GemmRunner::set_cache_dir(const std::string& dir) {
   cache_dir = dir;
 }
 
+std::string GemmRunner::get_cache_dir() {
+  std::lock_guard<std::mutex> lock(cache_mu);
+  return cache_dir;
+}
+
 std::string GemmRunner::cache_file(const GemmShape& s, const GemmAlign& al) const {
   std::string dir;
   {

@@ -58,6 +58,7 @@ class GemmRunner {
   std::string init();  // on the current device
   // Where choices are shared between processes ("" = not at all). Process-wide.
   static void set_cache_dir(const std::string& dir);
+  static std::string get_cache_dir();  // also the tile kernels' choices (kernels/tile_rs.h)
   // On the current device. Returns "" on success, else a sentence saying what failed. Any
   // pointer alignment of 2 bytes or more runs: the plan is chosen for the pointers' alignment.
   std::string run(const GemmShape& s, const void* a, const void* b, const void* c, void* d,

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm.h"
 #include "handler_common.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
@@ -19,14 +20,23 @@ namespace {
 
 constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused, tile schedule)";
 
-// The tile kernels of this device, loaded once (a module loaded while a kernel of ours spins
-// could wait for it: DESIGN.md decision 5) and given their shared-memory size.
-std::string tile_setup(DeviceRuntime* dev) {
-  if (dev->tile_kernels_loaded) return "";
-  return outside_capture("loading the tile-fused GEMM kernels", [dev]() -> std::string {
-    if (cudaError_t e = preload_tile_kernels())
-      return std::string("loading the tile-fused GEMM kernels failed: ") + cudaGetErrorString(e);
-    dev->tile_kernels_loaded = true;
+// The menu entry (and swizzle) of this problem, timed at its first execution and published like
+// the GEMM plans (kernels/tile_rs.h: tile_rs_choose); under capture, timed on a side stream and
+// not published. Then only that entry's kernel is loaded (DESIGN.md decision 5: before a kernel
+// of ours spins).
+std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &cs);
+  const bool capturing = cs != cudaStreamCaptureStatusNone;
+  return outside_capture("choosing and loading the tile-fused GEMM kernel", [&]() -> std::string {
+    cudaStream_t s = stream;
+    const bool side = capturing && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == 0;
+    TileChoice c;
+    tile_rs_choose(*a, s, !capturing || side, !capturing, GemmRunner::get_cache_dir(), &c);
+    if (side) cudaStreamSynchronize(s), cudaStreamDestroy(s);
+    a->entry = c.entry, a->swizzle = c.swizzle;
+    if (cudaError_t e = preload_tile_entry(c.entry, a->w_colmajor != 0))
+      return std::string("loading the tile-fused GEMM kernel failed: ") + cudaGetErrorString(e);
     return "";
   });
 }
@@ -81,7 +91,6 @@ ffi::Error GemmRsTileImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffe
     return e;
   ffi::Error result = [&]() -> ffi::Error {
     if (std::string e = preload(dev); !e.empty()) return internal(kWhat, e);  // release, finish
-    if (std::string e = tile_setup(dev); !e.empty()) return internal(kWhat, e);
     if (stall_rank <= -2 && rank == -2 - stall_rank)  // test-only: fused._failed_rank_for_tests
       return internal(kWhat, "test-only failure injected on this rank after begin_call");
     ErrorRecord* err = error_record(device);
@@ -105,6 +114,7 @@ ffi::Error GemmRsTileImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffe
     a.op = kOpGemmRs;
     a.timeout_ns = timeout_ns;
     a.err = err;
+    if (std::string e = tile_setup(&a, xla_stream); !e.empty()) return internal(kWhat, e);
     CK(wait_done(xla_stream, ws->done[rank]));
     CK(launch_tile_rs(a, xla_stream));
     CK(launch_release_slots(peers, xla_stream));

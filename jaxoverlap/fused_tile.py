@@ -23,7 +23,7 @@ from jaxoverlap import fused
 
 TARGET = fused.GEMM_RS_TILE_TARGET
 ROW_ALIGN = 256  # kTileRowAlign in ffi/kernels/tile_rs.h
-TILE_M, TILE_N, SLABS = 128, 256, 8  # kTileM, kTileN, kTileSlabs
+FLAG_ROWS, FLAG_COLS = 16, 128  # a flag per 16 x kFlagCols piece of a block (ffi/kernels/tile_rs.h)
 # Cluster rows (256 rows of x) per raster band: 8 was as fast as or faster than 1, 2 and 4 on
 # each of 10 shapes, timed interleaved on one H200 (docs/measurements.md runs 48-50); up to 6 %
 # faster than 4 on the 16384-wide shapes (more reuse of w's tiles in L2).
@@ -49,9 +49,9 @@ def unsupported_reason(dtype, m, k, n_cols, n):
 
 def slot_bytes(m, n_cols):
     """One staging slot as the handler sizes it (tile_rs_slot_bytes in ffi/kernels/tile_rs.cu):
-    the m x N block of both epoch parities, then the source's slab flags; 256-byte aligned."""
-    tiles = (m // TILE_M) * (-(-n_cols // TILE_N))
-    return -(-(2 * m * n_cols * 2 + tiles * SLABS * 4) // 256) * 256
+    the m x N block of both epoch parities, then the source's flags; 256-byte aligned."""
+    flags = (m // FLAG_ROWS) * (-(-n_cols // FLAG_COLS))
+    return -(-(2 * m * n_cols * 2 + flags * 4) // 256) * 256
 
 
 def lower(ctx, x, w, params, table, swizzle):
