@@ -2,13 +2,15 @@
 
 One persistent CUTLASS GEMM over the whole GPU computes ``x @ w`` tile by tile, the tiles of the
 blocks other ranks own first; each tile's epilogue stores it (bf16) straight into its owner's
-staging in peer memory and publishes a flag per 16-row slab; the own block's tiles come last, wait
-(bounded) for the peers' slabs of the same tile, add them to the f32 accumulators in rank order
-and round once. There is no split GEMM, no communication kernel and no SM partition: the chunked
-schedule's two measured costs (splitting the GEMM, the last chunk's push on 4 SMs) are gone by
-construction (ffi/kernels/tile_rs.h has the protocol, ffi/gemm_rs_tile_ffi.cc the call).
+staging in peer memory and publishes a flag per 16 x 128 piece; the own block's tiles come last,
+wait (bounded) for the peers' pieces of the same tile, add them to the f32 accumulators in rank
+order and round once. The kernel is one of a menu (tile sizes, clusters), chosen per problem by
+timing at its first execution (ffi/kernels/tile_rs.cu). There is no split GEMM, no communication
+kernel and no SM partition: the chunked schedule's two measured costs (splitting the GEMM, the
+last chunk's push on 4 SMs) are gone by construction (ffi/kernels/tile_rs.h has the protocol,
+ffi/gemm_rs_tile_ffi.cc the call).
 
-Supported: bfloat16, rows per rank a multiple of 256 (two 128-row tiles of a cluster), K and N
+Supported: bfloat16, rows per rank a multiple of 256 (the largest cluster's rows), K and N
 multiples of 8, 2..8 GPUs, w row- or column-major (``ct @ w.T`` in a backward), x in rows (any
 scattered dimension but the last: the custom call's layout makes it major-most, as for the
 chunked schedule). Everything else -- the group table, the workspace key, the failure path, the

@@ -17,14 +17,15 @@ Usage: python tools/shapes.py [--seed S] [--draws 12] [--sets project,layers]
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 
-PROJECT = [
-    (8192, 4096, 8192),
-    (8192, 14336, 8192),
-    (16384, 8192, 8192),
-    (4096, 4096, 4096),
-    (2048, 8192, 8192),
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import _common  # noqa: E402  (the benchmark's shapes; imports nothing heavy)
+
+# The benchmark's 5 shapes and the 5 the tile probe added (docs/measurements.md runs 45-50).
+PROJECT = _common.SHAPES + [
     (8192, 2048, 4096),
     (8192, 7168, 4096),
     (8192, 8192, 16384),

@@ -1,14 +1,15 @@
 // The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
 // warp-specialised cooperative persistent kernel (TMA mainloop, 128 x kTileN x 64 tiles, clusters
-// of kClusterM x kClusterN CTAs: one menu entry per choice, tile_menu.cu) with two parts of our
+// of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two parts of our
 // own plugged into its interfaces:
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
 //                   (peer memory, coalesced 16-byte stores through shared memory), the slab's
 //                   flags (one per 128 columns: the same layout for every entry) published at
-//                   the warp's next tile, when the stores are long done; own tiles wait for each
-//                   peer's flags of the slab, add the slabs in rank order to the f32
+//                   the warp's next tile, when the stores are long done (at once if that tile is
+//                   own or none); own tiles wait for each peer's flags of the slab, add the
+//                   slabs in rank order to the f32
 //                   accumulators (coalesced, through shared memory), round once, store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
@@ -63,6 +64,8 @@ struct EpilogueArgs {
   char* out;
   int64_t m, N, slot_bytes;
   int32_t flag_cols;  // flags per 16-row slab of a block (one per kFlagCols columns)
+  int32_t own_first;  // the first cluster tile of the own block in claim order (tile_sched.cuh)
+  int32_t legacy_publish;  // tools only (TileRsArgs::legacy_publish)
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -143,6 +146,7 @@ class TileEpilogue {
     Flags* local = a.peers.flags[a.peers.rank];
     if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
     flush();
+    const uint32_t k = k_++;  // this CTA's k-th tile (every consumer thread sees every tile)
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
@@ -174,6 +178,10 @@ class TileEpilogue {
       if (a.mode == 0 && r != a.stall_rank) {
         pending_ = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
         pending_n_ = nflags;
+        // The release waits for the slab's stores to land: a tile late when the warp's next
+        // tile is foreign (its MMA runs meanwhile), at once when the next is own (it waits for
+        // its peers anyway) or there is none.
+        if (!a.legacy_publish && next_is_own_or_none(k)) flush();
       }
       return;
     }
@@ -193,18 +201,30 @@ class TileEpilogue {
                    col0);
   }
 
-  // Publishes the flag of the warp's last foreign slab (its stores issued at the previous tile).
+  // Publishes the flags of the warp's last foreign slab. __syncwarp orders the other lanes'
+  // stores before lane 0's release, which is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_) return;
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
-      __threadfence_system();
+      if (p_->legacy_publish) __threadfence_system();
       for (int f = 0; f < pending_n_; ++f) st_release_sys(pending_ + f, e_);
     }
     pending_ = nullptr;
   }
 
  private:
+  // Whether the CTA's tile k + 1 is known and is an own tile or none (the claim ring's entry,
+  // written by the claimer once it took that tile; unknown yet: false).
+  CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const {
+    uint64_t v;
+    asm volatile("ld.volatile.shared.b64 %0, [%1];"
+                 : "=l"(v)
+                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + (k + 1) % kRing))
+                 : "memory");
+    return (uint32_t)(v >> 32) == k + 2 && (int32_t)(uint32_t)v >= p_->own_first;
+  }
+
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
   // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
   // would also wait for this warp's stores still in flight. `exact`: a value beyond the target
@@ -318,6 +338,7 @@ class TileEpilogue {
   // copied per thread (an array indexed by the peer would go to local memory).
   const EpilogueArgs* p_;
   uint32_t e_ = 0;             // this call's epoch target
+  uint32_t k_ = 0;             // tiles of this CTA so far
   uint32_t* pending_ = nullptr;  // flags of the last foreign slab, published at the next tile
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
@@ -392,6 +413,7 @@ struct TileKernel {
     e.N = a.N;
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
+    e.legacy_publish = a.legacy_publish;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;
@@ -413,6 +435,7 @@ struct TileKernel {
     g.cluster_cols = (tiles_n + kClusterN - 1) / kClusterN;
     g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
     g.total = g.cluster_rows * n * g.cluster_cols;
+    e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;

@@ -21,7 +21,7 @@
 namespace jaxoverlap {
 
 constexpr int kTileM = 128;    // CTA tile rows (two consumer warpgroups of 64); the columns
-                               // (256 or 128) and the cluster are the menu entry's (tile_menu.cu)
+                               // (256 or 128) and the cluster are the menu entry's (tile_rs.cu)
 constexpr int kTileSlabs = 8;  // 16-row slabs of a tile: one per consumer warp
 constexpr int kFlagCols = 128; // columns per flag: a 16 x 128 piece of a slab, whatever the entry
 constexpr int64_t kTileRowAlign = 256;  // a rank's rows: a multiple of this (every entry's cluster)
@@ -44,6 +44,9 @@ struct TileRsArgs {
   // into out ([n * m, N]) too; 5 = 2 in the fused op's block order.
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
+  // Tools only: 1 = each foreign slab's flags published after a full system fence and always a
+  // tile late (the epilogue before issue 24), for timing against today's.
+  int32_t legacy_publish;
   int32_t op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -65,7 +68,7 @@ __host__ __device__ inline uint32_t* tile_slab_flags(char* slot, int64_t m, int6
 // "" if the kernel runs this problem, else why not.
 std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_t K,
                                 const void* x, const void* w, const void* out);
-// The menu (tile_menu.cu): entries 0 .. tile_rs_menu_size() - 1, entry 0 the default.
+// The menu (tile_rs.cu): entries 0 .. tile_rs_menu_size() - 1, entry 0 the default.
 int tile_rs_menu_size();
 const char* tile_rs_entry_name(int entry);  // e.g. "128x256c2x1"
 // Loads one entry's kernel on the current device and sets its shared-memory limit (outside any

@@ -14,9 +14,11 @@
 //          GEMM (mode 2) and solo (mode 1: the foreign tiles' stores and the own tiles' adds of
 //          tp - 1 peer slabs, no waits or flags) and "prod" (mode 0, the production kernel, on
 //          the emulated group: flags published, fences executed, own tiles' waits passing as
-//          their peers' tiles are done; class Problem). --pick: first a separate pass chooses each
-//          shape's entry with the production selection (tile_rs_choose, empty cache), then the
-//          interleaved run times the pick too. Geomeans per set; judged shapes 2 M K N >= 1e11.
+//          their peers' tiles are done; class Problem; "prod-legacy": the pick with the full
+//          fence per foreign slab and its flags always a tile late, as before issue 24).
+//          --pick: first a separate pass chooses each shape's entry with the production
+//          selection (tile_rs_choose, empty cache), then the interleaved run times the pick
+//          too. Geomeans per set; judged shapes 2 M K N >= 1e11.
 //
 // Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
 // tile_rs_probe time FILE [--pick] [--json OUT]
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -73,8 +76,9 @@ __global__ void ref_gemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* 
 }
 
 __global__ void finish(Flags* f) { f->epoch += 1; }
-// The end of a call of the emulated group (time mode's "prod"): every peer has released the
-// staging it read (what their launch_release_slots does) and the epoch advances.
+// The end of a call of the emulated group (time mode, every variant: the modes interleave on one
+// flag block): every peer has released the staging it read (what their launch_release_slots
+// does; mode 0's foreign tiles wait for it) and the epoch advances.
 __global__ void finish_emulated(Flags* f, int n) {
   const uint32_t e = f->epoch + 1u;
   for (int j = 0; j < n; ++j) f->slot_free[j] = e;
@@ -289,9 +293,11 @@ struct Problem {
     cudaFree(rk[0].stage), cudaFree(rk[0].flags), cudaFree(rk[0].x), cudaFree(rk[0].w);
     cudaFree(rk[0].out), cudaFreeHost(abort), cudaFreeHost(err);
   }
-  TileRsArgs args(const Shape& sh, int sms, int mode, int entry, int swizzle) {
+  TileRsArgs args(const Shape& sh, int sms, int mode, int entry, int swizzle, int legacy = 0) {
     TileRsArgs a = make_args(rk, 0, sh.tp, m, sh.N, sh.K, 0, abort, err, sms, mode, entry);
     a.swizzle = swizzle;
+    a.legacy_publish = legacy;
+    a.timeout_ns = 2ull * 1000 * 1000 * 1000;  // a wait that gives up shows within seconds
     return a;
   }
 };
@@ -307,6 +313,7 @@ double geomean(const std::vector<double>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if the run is cut short
   CK(cudaSetDevice(0));
   const int E = tile_rs_menu_size();
   for (int e = 0; e < E; ++e)
@@ -429,9 +436,23 @@ int main(int argc, char** argv) {
               "cuBLASLt only (XLA's jnp.matmul not timed here); entries at swizzle %d\n",
               kSwizzle);
   FILE* jf = json ? std::fopen(json, "w") : nullptr;
-  if (jf) std::fprintf(jf, "[\n");
+  if (jf) {  // BENCHMARKS.md "One-GPU rows": the benchmarks' object format, one row per shape
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S+00:00", std::gmtime(&now));
+    std::fprintf(jf,
+                 "{\"machine\": \"1x %s\", \"date\": \"%s\", \"tool\": "
+                 "\"tools/probes/tile_rs_probe.cu time --pick\", \"timing\": \"CUDA events; "
+                 "variants of one shape interleaved, 7 rounds of up to 20 launches each; ms = median "
+                 "of the rounds; reference = the GEMM runner's searched cuBLASLt plan only (XLA's "
+                 "jnp.matmul not timed); plain = mode 2, solo = mode 1, prod = mode 0 on the emulated "
+                 "group; entries at swizzle %d, the pick at its own\", \"rows\": [\n",
+                 prop.name, date, kSwizzle);
+  }
   struct Agg {
-    std::vector<double> best, e0, pplain, psolo, pprod, solo_plain, prod_plain;
+    std::vector<double> best, e0, pplain, psolo, pprod, solo_plain, prod_plain, legacy_plain;
   };
   std::vector<std::pair<std::string, Agg>> sets;  // in order of appearance
   std::vector<std::pair<std::string, Agg>> judged;
@@ -450,14 +471,11 @@ int main(int argc, char** argv) {
       std::printf("cuBLASLt: %s\n", e.c_str());
       return 1;
     }
-    auto tile = [&](int mode, int entry, int swizzle) -> std::function<void()> {
-      TileRsArgs a = p.args(sh, sms, mode, entry, swizzle);
+    auto tile = [&](int mode, int entry, int swizzle, int legacy = 0) -> std::function<void()> {
+      TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy);
       return [&, a] {  // each call ends with the epoch's advance (the claim counters alternate)
         CK(launch_tile_rs(a, s));
-        if (a.mode == 0)
-          finish_emulated<<<1, 1, 0, s>>>(p.rk[0].flags, sh.tp);
-        else
-          finish<<<1, 1, 0, s>>>(p.rk[0].flags);
+        finish_emulated<<<1, 1, 0, s>>>(p.rk[0].flags, sh.tp);
       };
     };
     std::vector<std::function<void()>> fns = {
@@ -469,7 +487,9 @@ int main(int argc, char** argv) {
       fns.push_back(tile(2, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(1, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle));
+      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1));  // the fence, a tile late
     }
+    const auto t0 = std::chrono::steady_clock::now();
     // ~5 ms per round of a variant (the reference's time from one timed launch)
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
@@ -499,13 +519,15 @@ int main(int argc, char** argv) {
     std::printf(" | prod");
     for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + 2 * E + e].ms / ref);
     std::printf(" | best plain %s %.3f", tile_rs_entry_name(best), t[1 + best].ms / ref);
-    double pp = 0, ps = 0, pq = 0;
+    double pp = 0, ps = 0, pq = 0, pl = 0;
     if (sh.picked) {
       pp = t[1 + 3 * E].ms / ref, ps = t[2 + 3 * E].ms / ref, pq = t[3 + 3 * E].ms / ref;
-      std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f",
-                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq);
+      pl = t[4 + 3 * E].ms / ref;
+      std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f",
+                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq, pl);
     }
-    std::printf("\n");
+    std::printf(" | %.1f s\n",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (p.err->set)
       std::printf("  prod: a wait gave up: what %d peer %d flag %d (saw %u want %u)\n", p.err->what,
                   p.err->peer, p.err->chunk, p.err->seen, p.err->target);
@@ -517,6 +539,7 @@ int main(int argc, char** argv) {
       if (sh.picked) {
         g.pplain.push_back(pp), g.psolo.push_back(ps), g.pprod.push_back(pq);
         g.solo_plain.push_back(ps / pp), g.prod_plain.push_back(pq / pp);
+        g.legacy_plain.push_back(pl / pp);
       }
     }
     if (jf) {
@@ -526,11 +549,12 @@ int main(int argc, char** argv) {
                    "\"%s\", \"swizzle\": %d, \"choose_s\": %.3f, \"ms\": {\"reference\": %.5f",
                    first_row ? "" : ",\n", sh.tp, (long long)sh.M, (long long)sh.K,
                    (long long)sh.N, sh.set.c_str(),
-                   sh.picked ? tile_rs_entry_name(sh.pick.entry) : "", sh.picked ? sh.pick.swizzle : 0,
+                   sh.picked ? tile_rs_entry_name(sh.pick.entry) : "",
+                   sh.picked ? sh.pick.swizzle : 0,
                    sh.choose_s, ref);
       if (sh.picked)
-        std::fprintf(jf, ", \"plain\": %.5f, \"solo\": %.5f, \"prod\": %.5f", t[1 + 3 * E].ms,
-                     t[2 + 3 * E].ms, t[3 + 3 * E].ms);
+        std::fprintf(jf, ", \"plain\": %.5f, \"solo\": %.5f, \"prod\": %.5f, \"prod-legacy\": %.5f",
+                     t[1 + 3 * E].ms, t[2 + 3 * E].ms, t[3 + 3 * E].ms, t[4 + 3 * E].ms);
       for (int e = 0; e < E; ++e)
         std::fprintf(jf, ", \"plain:%s\": %.5f, \"solo:%s\": %.5f, \"prod:%s\": %.5f",
                      tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + E + e].ms,
@@ -539,7 +563,7 @@ int main(int argc, char** argv) {
       first_row = false;
     }
   }
-  if (jf) std::fprintf(jf, "\n]\n"), std::fclose(jf);
+  if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
   std::printf("\nbest plain entry per shape:");
   for (int e = 0; e < E; ++e) std::printf(" %s %d", tile_rs_entry_name(e), wins[e]);
   std::printf("\n");
@@ -547,10 +571,10 @@ int main(int argc, char** argv) {
     for (auto& [name, g] : *v)
       std::printf("TILE geomean %-9s %-6s (%2zu shapes): entry0 plain/ref %.3f, best plain/ref "
                   "%.3f | pick: plain/ref %.3f solo/ref %.3f prod/ref %.3f solo/plain %.3f "
-                  "prod/plain %.3f\n",
+                  "prod/plain %.3f prod-legacy/plain %.3f\n",
                   name.c_str(), v == &judged ? "judged" : "all", g.best.size(), geomean(g.e0),
                   geomean(g.best), geomean(g.pplain), geomean(g.psolo), geomean(g.pprod),
-                  geomean(g.solo_plain), geomean(g.prod_plain));
+                  geomean(g.solo_plain), geomean(g.prod_plain), geomean(g.legacy_plain));
   cudaStreamDestroy(s);
   return 0;
 }
