@@ -53,6 +53,12 @@ struct GemmAlign {
   auto key() const { return std::make_tuple(a, b, c, d); }
 };
 
+// Publishes `text` at `path` unless a file is there: written to a private file, then hard-linked
+// into place (atomic; fails if the name exists), so readers never see a partial file and the
+// first writer wins. False when another process's file was there first (the GEMM plans' and the
+// tile kernels' choices, kernels/tile_rs.cu).
+bool publish_once(const std::string& path, const std::string& text);
+
 class GemmRunner {
  public:
   std::string init();  // on the current device

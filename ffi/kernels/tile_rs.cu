@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <functional>
 #include <limits>
@@ -13,9 +12,7 @@
 #include <string>
 #include <utility>
 
-#include <fcntl.h>
-#include <unistd.h>
-
+#include "gemm.h"
 #include "kernels/fill.h"
 #include "kernels/tile_rs.h"
 
@@ -166,18 +163,12 @@ bool read_choice(const std::string& path, TileChoice* c) {
   return false;
 }
 
-// Written to a private file and hard-linked into place (atomic, first writer wins; as ffi/gemm.cc).
-// False when another process's choice was there first.
+// First writer wins, every process adopts the file (gemm.h: publish_once).
 bool publish_choice(const std::string& path, const TileChoice& c) {
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "w");
-  if (!f) return true;  // no cache (read-only, missing directory): keep our own choice
-  std::fprintf(f, "%s %d %.6f %.6f\n", kMenu[c.entry].name, c.swizzle, c.ms, c.ms_default);
-  const bool written = std::fclose(f) == 0;
-  const bool linked = written && link(tmp.c_str(), path.c_str()) == 0;
-  const bool exists = !linked && errno == EEXIST;
-  unlink(tmp.c_str());
-  return !exists;
+  char text[128];
+  std::snprintf(text, sizeof(text), "%s %d %.6f %.6f\n", kMenu[c.entry].name, c.swizzle, c.ms,
+                c.ms_default);
+  return publish_once(path, text);
 }
 
 // Times the candidates as the fused kernel runs alone (mode 1: its GEMM, the foreign tiles'
