@@ -171,3 +171,33 @@ def test_processes_smoke(tmp_path, processes):
         "xla",
         "jaxoverlap",
     }
+
+
+def test_probe_shapes():
+    """tools/shapes.py: the project's 10 shapes, >= 24 real-layer shares (every model, layer and
+    tp), and seeded draws that are reproducible, new per seed, and runnable by the tile kernel
+    (rows per rank a multiple of 256, K and N multiples of 8)."""
+
+    def shapes(*args):
+        r = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "shapes.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return [line.split() for line in r.stdout.splitlines()]
+
+    rows = shapes()
+    assert sum(r[0] == "project" for r in rows) == 10
+    layers = [r for r in rows if r[0] == "layers"]
+    assert len(layers) >= 24
+    assert {int(r[1]) for r in layers} == {2, 4, 8}
+    assert {int(r[4]) for r in layers} == {4096, 5120, 8192, 16384}  # every model's d_model
+    draws = shapes("--seed", "20261202")
+    assert len(draws) == 12 and all(r[0] == "20261202" for r in draws)
+    assert draws == shapes("--seed", "20261202") != shapes("--seed", "7")
+    for kind, tp, m, k, n in rows + draws:
+        tp, m, k, n = int(tp), int(m), int(k), int(n)
+        assert m % tp == 0 and (m // tp) % 256 == 0 and k % 8 == 0 and n % 8 == 0
+        assert kind == "project" or 4096 <= m <= 16384  # 4k-16k tokens

@@ -14,7 +14,7 @@ from harness import native_driver
 
 OPEN = ["save context", "set_device", "capture scope", "device_runtime", "lock"]
 RELEASE = ["unlock", "end capture scope", "restore context"]
-LAUNCHES = ("preload", "ce_setup", "partition", "tile_setup", "fork", "launch", "join")
+LAUNCHES = ("preload", "ce_setup", "partition", "fork", "launch", "join")
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,9 @@ def test_two_processes_one_device(run):
 
 def test_tile_schedule_never_forks_a_stream(run):
     ev = single(run, "tile")
-    assert ev.index("preload") < ev.index("tile_setup")
-    assert "fork stream=100 streams=none gemm=0 uses=4" in ev
+    assert ev.index("preload") < first(ev, "launch")
+    assert not any(e.startswith(("partition", "ce_setup")) for e in ev)
+    assert "fork stream=100 streams=none gemm=0 uses=0" in ev
     assert "join stream=100 streams=none gemm=0 rank=0 out=10" in ev
 
 

@@ -307,10 +307,10 @@ def test_tile_schedule_reasons(native_ok, monkeypatch):
 
 def test_tile_slot_bytes_match_the_handlers():
     """tile_rs_slot_bytes (ffi/kernels/tile_rs.cu): both parities of the block, one flag word per
-    16-row slab of each 128 x 256 tile, rounded to 256 bytes. A mismatch would leave a workspace
-    that spans processes unfound by its handler."""
-    assert fused_tile.slot_bytes(256, 256) == 2 * 256 * 256 * 2 + 256  # 2 tiles' 64 flag bytes
-    assert fused_tile.slot_bytes(1024, 1000) == 2 * 1024 * 1000 * 2 + (8 * 4) * 8 * 4
+    16 x 128 piece of it (whatever the menu entry's tile), rounded to 256 bytes. A mismatch would
+    leave a workspace that spans processes unfound by its handler."""
+    assert fused_tile.slot_bytes(256, 256) == 2 * 256 * 256 * 2 + 256  # 32 flags: 128 bytes
+    assert fused_tile.slot_bytes(1024, 1000) == 2 * 1024 * 1000 * 2 + (64 * 8) * 4
     assert fused_tile.slot_bytes(4096, 4096) % 256 == 0
 
 

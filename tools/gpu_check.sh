@@ -15,8 +15,9 @@
 # --gemm-probe: also tools/probes/gemm_search_probe.py (one GPU: the fused schedule's GEMM work
 # against XLA's GEMM, cuBLASLt's first choice vs the best of its candidates).
 # --tile-probe: also build/probes/tile_rs_probe (one GPU; built on the CPU machine by
-# tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's two
-# ranks on one GPU against an f32 reference, and its GEMM time against cuBLASLt's.
+# tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's menu
+# checked at 2, 4 and 8 ranks on one GPU against an f32 reference, and every entry's and the
+# pick's time against cuBLASLt's on tools/shapes.py's shapes (GPU_CHECK_TILE_SEED=S: new draws).
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
 # GPU_CHECK_TESTS_K: the one-GPU tests' -k expression (default "not bitwise and not
 # other_shapes"; "other_shapes" alone: every op again at a second set of shapes).
@@ -133,18 +134,22 @@ if ((GEMM_PROBE)); then
 fi
 if ((TILE_PROBE)); then
   CUBLAS_LIB=$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null)
-  # Shapes: the benchmark's (benchmarks/_common.py) and per-device shares of real layers.
-  TILE_SHAPES="8192 4096 8192  8192 14336 8192  16384 8192 8192  4096 4096 4096  2048 8192 8192 \
-    8192 2048 4096  8192 7168 4096  8192 8192 16384  16384 3584 4096  4096 8192 14336"
-  step tile-check 60 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe check
+  # Shapes (tools/shapes.py): the project's 10 and 24 per-device shares of real layers, or with
+  # GPU_CHECK_TILE_SEED=S only new random shares drawn with that seed.
+  TILE_SHAPES="$LOG/tile-shapes.txt"
+  "$PY" tools/shapes.py ${GPU_CHECK_TILE_SEED:+--seed "$GPU_CHECK_TILE_SEED"} >"$TILE_SHAPES"
+  step tile-check 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe check
   # SM clock, power and temperature beside the timing (a throttled clock reads as a slow kernel)
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 1000 \
     >"$LOG/tile-time-smi.csv" 2>&1 &
   SMI=$!
-  step tile-time 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe time $TILE_SHAPES
+  # Every menu entry plain and solo, the pick chosen in a separate pass (empty cache) and timed
+  # in the same fresh interleaved rounds; JSON rows per BENCHMARKS.md "One-GPU rows".
+  step tile-time 300 env LD_LIBRARY_PATH="$CUBLAS_LIB" build/probes/tile_rs_probe time \
+    "$TILE_SHAPES" --pick --json "$RESULTS/matmul_reduce_scatter_1xH200.json"
   for variant in build/probes/tile_rs_probe_*; do  # kernel variants, if built (NAME=...)
     [[ -x $variant ]] && step "$(basename "$variant")" 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" \
-      "$variant" time $TILE_SHAPES
+      "$variant" time "$TILE_SHAPES"
   done
   kill "$SMI" 2>/dev/null
 fi

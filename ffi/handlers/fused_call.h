@@ -120,12 +120,6 @@ inline std::string ce_setup(DeviceRuntime* dev) {
   });
 }
 
-// The tile-fused GEMM's kernels (handlers/gemm_rs_tile.cc), with their shared-memory size.
-inline std::string tile_setup(DeviceRuntime* dev) {
-  return load_once(&dev->tile_kernels_loaded, "loading the tile-fused GEMM kernels",
-                   preload_tile_kernels);
-}
-
 // Ends a call that launches nothing more on this rank but must still count as one call of `ws`
 // (epochs stay equal on every rank): after whatever it launched, release the staging slots this
 // rank would have consumed and advance the epoch (filling `poison` with NaN first, if given), on
@@ -230,7 +224,6 @@ struct CudaRuntime {
   static std::string partition(Device* dev, int comm_sms, Partition** out) {
     return jaxoverlap::partition(dev, comm_sms, out);
   }
-  static std::string tile_setup(Device* dev) { return jaxoverlap::tile_setup(dev); }
   static ErrorRecord* error_record(int device) { return jaxoverlap::error_record(device); }
   static void mark(const char* where) { capture_mark(where); }
 

@@ -120,7 +120,7 @@ class BasicFusedCall {
 
   // What a call uses besides XLA's stream (Spec::uses): exactly one of the SM partition, the
   // copy engine's stream and the tile kernels, except the all-reduce (partition + copy engine).
-  enum Uses : unsigned { kSmPartition = 1, kCopyEngine = 2, kTileKernels = 4 };
+  enum Uses : unsigned { kSmPartition = 1, kCopyEngine = 2 };
   // The call's workspace (runtime.h: workspace) and resources.
   struct Spec {
     int64_t block_bytes;
@@ -240,8 +240,6 @@ class BasicFusedCall {
         return e;
       streams_ = part_;
     }
-    if (spec_.uses & kTileKernels)
-      if (std::string e = rt_.tile_setup(dev_); !e.empty()) return e;
     const int64_t stall = call_.attrs.stall_rank;
     if (stall <= -2 && rank_ == -2 - stall)  // test-only: fused._failed_rank_for_tests
       return "test-only failure injected on this rank after begin_call";

@@ -11,11 +11,34 @@
 #include "handlers/fused_call.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
+#include "runtime/gemm.h"
+#include "runtime/tile_menu.h"
 
 namespace jaxoverlap {
 namespace {
 
 constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused, tile schedule)";
+
+// The menu entry (and swizzle) of this problem, timed at its first execution and published like
+// the GEMM plans (runtime/tile_menu.h: tile_rs_choose); under capture, timed on a side stream and
+// not published. Then only that entry's kernel is loaded (DESIGN.md decision 5: before a kernel
+// of ours spins).
+std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &cs);
+  const bool capturing = cs != cudaStreamCaptureStatusNone;
+  return outside_capture("choosing and loading the tile-fused GEMM kernel", [&]() -> std::string {
+    cudaStream_t s = stream;
+    const bool side = capturing && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == 0;
+    TileChoice c;
+    tile_rs_choose(*a, s, !capturing || side, !capturing, GemmRunner::get_cache_dir(), &c);
+    if (side) cudaStreamSynchronize(s), cudaStreamDestroy(s);
+    a->entry = c.entry, a->swizzle = c.swizzle;
+    if (cudaError_t e = preload_tile_entry(c.entry, a->w_colmajor != 0))
+      return std::string("loading the tile-fused GEMM kernel failed: ") + cudaGetErrorString(e);
+    return "";
+  });
+}
 
 ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> out, int64_t w_colmajor, int64_t swizzle) {
@@ -43,7 +66,7 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return fc.invalid(e);
   const int64_t slot_bytes = tile_rs_slot_bytes(m, N);
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
-  return fc.run({slot_bytes, false, false, FusedCall::kTileKernels}, output,
+  return fc.run({slot_bytes, false, false, 0}, output,
                 [&](FusedCall& c) -> std::string {
     const Peers& peers = c.peers();
     TileRsArgs a{};
@@ -64,6 +87,7 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     a.op = kOpGemmRs;
     a.timeout_ns = c.timeout_ns();
     a.err = c.err();
+    if (std::string e = tile_setup(&a, c.stream()); !e.empty()) return e;
     // No fork: XLA's stream waits for the previous call of the workspace and runs it all.
     if (std::string e = c.fork(/*gemm=*/false); !e.empty()) return e;
     CK(launch_tile_rs(a, c.stream()));

@@ -1,21 +1,75 @@
-// The tile-fused GEMM + reduce-scatter's host side: what it supports, and the dispatch to the
-// instantiations (tile_rs_<dtype>_<w layout>.cu, one kernel per file so they compile in parallel).
+// The tile-fused GEMM + reduce-scatter's host side: what it supports, the menu of kernels (one
+// instantiation file per entry and w layout, tile_rs_e<k>_<wrow|wcol>.cu, so they compile in
+// parallel). The choice of an entry per problem, by timing at its first execution, is the
+// runtime's (ffi/runtime/tile_menu.cc).
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+
 #include "kernels/tile_rs.h"
 
 namespace jaxoverlap {
 
-// One per instantiation file.
-cudaError_t tile_rs_preload_bf16_wrow();
-cudaError_t tile_rs_preload_bf16_wcol();
-cudaError_t tile_rs_launch_bf16_wrow(const TileRsArgs& a, cudaStream_t stream);
-cudaError_t tile_rs_launch_bf16_wcol(const TileRsArgs& a, cudaStream_t stream);
+using TilePreload = cudaError_t (*)();
+using TileLaunch = cudaError_t (*)(const TileRsArgs&, cudaStream_t);
+#define JAXOVERLAP_TILE_DECLARE(NAME)                  \
+  cudaError_t tile_rs_preload_##NAME();                \
+  cudaError_t tile_rs_launch_##NAME(const TileRsArgs&, cudaStream_t);
+JAXOVERLAP_TILE_DECLARE(e0_wrow)
+JAXOVERLAP_TILE_DECLARE(e0_wcol)
+JAXOVERLAP_TILE_DECLARE(e1_wrow)
+JAXOVERLAP_TILE_DECLARE(e1_wcol)
+JAXOVERLAP_TILE_DECLARE(e2_wrow)
+JAXOVERLAP_TILE_DECLARE(e2_wcol)
+JAXOVERLAP_TILE_DECLARE(e3_wrow)
+JAXOVERLAP_TILE_DECLARE(e3_wcol)
+JAXOVERLAP_TILE_DECLARE(e4_wrow)
+JAXOVERLAP_TILE_DECLARE(e4_wcol)
+#undef JAXOVERLAP_TILE_DECLARE
 
-int64_t tile_rs_tiles_per_block(int64_t m, int64_t N) {
-  return (m / kTileM) * ((N + kTileN - 1) / kTileN);
+namespace {
+
+// The menu: every entry is CUTLASS's cooperative persistent kernel with our scheduler and
+// epilogue (tile_rs.cuh), 128-row tiles; they differ in the tile's columns and the cluster.
+// docs/tile-schedule.md says why each is there (the one-GPU table of every entry per shape).
+struct Entry {
+  const char* name;
+  TilePreload preload[2];  // [w_colmajor]
+  TileLaunch launch[2];
+};
+#define JAXOVERLAP_TILE_MENU_ENTRY(NAME, E) \
+  {NAME, {tile_rs_preload_##E##_wrow, tile_rs_preload_##E##_wcol}, \
+   {tile_rs_launch_##E##_wrow, tile_rs_launch_##E##_wcol}}
+const Entry kMenu[] = {
+    // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0),
+    // Half the columns: twice the tiles, a finer last wave (short-M or narrow shapes).
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c2x1", e1),
+    // No cluster: every SM runs a CTA (2x1 clusters leave a GPC's odd SM idle) and tiles are
+    // claimed one by one.
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e2),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x1", e3),
+    // x's tile multicast along N: the footprint of entry 0 transposed (wide N, long K).
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e4),
+};
+#undef JAXOVERLAP_TILE_MENU_ENTRY
+constexpr int kMenuSize = sizeof(kMenu) / sizeof(kMenu[0]);
+
+std::mutex g_mu;                   // g_loaded
+std::map<int, uint32_t> g_loaded;  // device -> loaded (entry, layout) bits
+
+__global__ void advance_epoch(Flags* f) { f->epoch += 1; }
+
+}  // namespace
+
+int64_t tile_rs_flags_per_block(int64_t m, int64_t N) {
+  return (m / 16) * ((N + kFlagCols - 1) / kFlagCols);
 }
 
 int64_t tile_rs_slot_bytes(int64_t m, int64_t N) {
-  const int64_t bytes = 2 * m * N * 2 + tile_rs_tiles_per_block(m, N) * kTileSlabs * 4;
+  const int64_t bytes = 2 * m * N * 2 + tile_rs_flags_per_block(m, N) * 4;
   return (bytes + 255) / 256 * 256;
 }
 
@@ -29,20 +83,38 @@ std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_
     return "N and K must be positive multiples of 8 (16-byte rows for TMA and the epilogue)";
   if ((int64_t)n * m > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
     return "a dimension exceeds the GEMM's 32-bit problem shape";
-  if (tile_rs_tiles_per_block(m, N) * n > INT32_MAX / kTileSlabs) return "too many tiles";
+  if (tile_rs_flags_per_block(m, N) > INT32_MAX) return "too many tiles";
   for (const void* p : {x, w, out})
     if (reinterpret_cast<uintptr_t>(p) % 16) return "an operand is not 16-byte aligned (TMA)";
   return "";
 }
 
-cudaError_t preload_tile_kernels() {
-  if (cudaError_t e = tile_rs_preload_bf16_wrow()) return e;
-  return tile_rs_preload_bf16_wcol();
+int tile_rs_menu_size() { return kMenuSize; }
+
+const char* tile_rs_entry_name(int entry) {
+  return entry >= 0 && entry < kMenuSize ? kMenu[entry].name : "?";
+}
+
+cudaError_t preload_tile_entry(int entry, bool w_colmajor) {
+  if (entry < 0 || entry >= kMenuSize) return cudaErrorInvalidValue;
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device)) return e;
+  const uint32_t bit = 1u << (2 * entry + (w_colmajor ? 1 : 0));
+  std::lock_guard<std::mutex> hold(g_mu);
+  if (g_loaded[device] & bit) return cudaSuccess;
+  if (cudaError_t e = kMenu[entry].preload[w_colmajor ? 1 : 0]()) return e;
+  g_loaded[device] |= bit;
+  return cudaSuccess;
 }
 
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream) {
-  if (a.dtype != DType::kBF16) return cudaErrorInvalidValue;
-  return a.w_colmajor ? tile_rs_launch_bf16_wcol(a, stream) : tile_rs_launch_bf16_wrow(a, stream);
+  if (a.dtype != DType::kBF16 || a.entry < 0 || a.entry >= kMenuSize) return cudaErrorInvalidValue;
+  return kMenu[a.entry].launch[a.w_colmajor ? 1 : 0](a, stream);
+}
+
+cudaError_t tile_rs_advance_epoch(Flags* flags, cudaStream_t stream) {
+  advance_epoch<<<1, 1, 0, stream>>>(flags);
+  return cudaGetLastError();
 }
 
 }  // namespace jaxoverlap

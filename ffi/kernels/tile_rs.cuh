@@ -1,12 +1,15 @@
 // The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
-// warp-specialised cooperative persistent kernel (TMA mainloop, 128x256x64 tiles, clusters of
-// 2 along M) with two parts of our own plugged into its interfaces:
+// warp-specialised cooperative persistent kernel (TMA mainloop, 128 x kTileN x 64 tiles, clusters
+// of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two parts of our
+// own plugged into its interfaces:
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
 //                   (peer memory, coalesced 16-byte stores through shared memory), the slab's
-//                   flag published at the warp's next tile, when the stores are long done; own
-//                   tiles wait for each peer's slab flag, add the slabs in rank order to the f32
+//                   flags (one per 128 columns: the same layout for every entry) published at
+//                   the warp's next tile, when the stores are long done (at once if that tile is
+//                   own or none); own tiles wait for each peer's flags of the slab, add the
+//                   slabs in rank order to the f32
 //                   accumulators (coalesced, through shared memory), round once, store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
@@ -60,7 +63,9 @@ struct EpilogueArgs {
   Peers peers;
   char* out;
   int64_t m, N, slot_bytes;
-  int32_t tiles_n;
+  int32_t flag_cols;  // flags per 16-row slab of a block (one per kFlagCols columns)
+  int32_t own_first;  // the first cluster tile of the own block in claim order (tile_sched.cuh)
+  int32_t legacy_publish;  // tools only (TileRsArgs::legacy_publish)
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -68,11 +73,14 @@ struct EpilogueArgs {
 
 // The epilogue, in the operator() form that CUTLASS's Sm90TmaWarpSpecializedAdapter calls for
 // each tile with the accumulators of the calling thread (one of 256 consumer threads). Thread t
-// holds, for the 64 x 256 accumulator block of warpgroup t / 128 (SM90 64xNx16 f32 layout),
+// holds, for the 64 x kTileN accumulator block of warpgroup t / 128 (SM90 64xNx16 f32 layout),
 // value i = v0 + 2 v1 + 4 v2 at row 16 (t / 32) + (t % 32) / 4 + 8 v1 of the tile and column
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
-template <class Element>
+template <class Element, int kTileN>
 class TileEpilogue {
+  static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
+  static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
+
  public:
   using ElementOutput = Element;
   using ElementAccumulator = float;
@@ -138,8 +146,10 @@ class TileEpilogue {
     Flags* local = a.peers.flags[a.peers.rank];
     if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
     flush();
+    const uint32_t k = k_++;  // this CTA's k-th tile (every consumer thread sees every tile)
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
+    if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
     float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
     if (a.mode == 2 || a.mode == 5) {
       store_slab(acc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
@@ -148,7 +158,9 @@ class TileEpilogue {
     const int n = a.peers.n, r = a.peers.rank;
     const int j = (int)(row / a.m);
     const int64_t brow = row - j * a.m + 16 * s;  // the slab's first row in its block
-    const int tile = (int)((row - j * a.m) / kTileM) * a.tiles_n + cute::get<1>(blk);
+    // The slab's first flag (16 rows x kFlagCols columns each) and how many it covers.
+    const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
+    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     if (j != r) {
@@ -163,18 +175,24 @@ class TileEpilogue {
       char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
                               : dst_slot + parity + (brow * a.N + col0) * 2;
       store_slab(acc, dst, sm, lane, col0);
-      if (a.mode == 0 && r != a.stall_rank)
-        pending_ = tile_slab_flags(dst_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
+      if (a.mode == 0 && r != a.stall_rank) {
+        pending_ = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
+        pending_n_ = nflags;
+        // The release waits for the slab's stores to land: a tile late when the warp's next
+        // tile is foreign (its MMA runs meanwhile), at once when the next is own (it waits for
+        // its peers anyway) or there is none.
+        if (!a.legacy_publish && next_is_own_or_none(k)) flush();
+      }
       return;
     }
     // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
     for (int t = 1; t < n; ++t) {
       const int src = (r + t) % n;
       char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-      if (a.mode == 0 && !failed_) {
-        const uint32_t* flag =
-            tile_slab_flags(src_slot, a.m, a.N) + (int64_t)tile * kTileSlabs + s;
-        if (!warp_wait(flag, e_, {a.op, kWaitTile, src, tile}, lane, true)) failed_ = true;
+      for (int f = 0; f < nflags && a.mode == 0 && !failed_; ++f) {
+        const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+        if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+          failed_ = true;
       }
     }
     const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
@@ -183,18 +201,30 @@ class TileEpilogue {
                    col0);
   }
 
-  // Publishes the flag of the warp's last foreign slab (its stores issued at the previous tile).
+  // Publishes the flags of the warp's last foreign slab. __syncwarp orders the other lanes'
+  // stores before lane 0's release, which is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_) return;
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
-      __threadfence_system();
-      st_release_sys(pending_, e_);
+      if (p_->legacy_publish) __threadfence_system();
+      for (int f = 0; f < pending_n_; ++f) st_release_sys(pending_ + f, e_);
     }
     pending_ = nullptr;
   }
 
  private:
+  // Whether the CTA's tile k + 1 is known and is an own tile or none (the claim ring's entry,
+  // written by the claimer once it took that tile; unknown yet: false).
+  CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const {
+    uint64_t v;
+    asm volatile("ld.volatile.shared.b64 %0, [%1];"
+                 : "=l"(v)
+                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + (k + 1) % kRing))
+                 : "memory");
+    return (uint32_t)(v >> 32) == k + 2 && (int32_t)(uint32_t)v >= p_->own_first;
+  }
+
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
   // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
   // would also wait for this warp's stores still in flight. `exact`: a value beyond the target
@@ -308,7 +338,9 @@ class TileEpilogue {
   // copied per thread (an array indexed by the peer would go to local memory).
   const EpilogueArgs* p_;
   uint32_t e_ = 0;             // this call's epoch target
-  uint32_t* pending_ = nullptr;  // flag of the last foreign slab, published at the next tile
+  uint32_t k_ = 0;             // tiles of this CTA so far
+  uint32_t* pending_ = nullptr;  // flags of the last foreign slab, published at the next tile
+  int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
@@ -330,11 +362,14 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
   }
 };
 
-template <class Element, bool kWColMajor>
+// One menu entry: tiles 128 x kTileN (256 or 128; two consumer warpgroups of 64 rows), clusters
+// of kClusterM x kClusterN CTAs (along M they share w's tile, along N x's).
+template <class Element, bool kWColMajor, int kTileN, int kClusterM, int kClusterN>
 struct TileKernel {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kTileClusterM>, cute::_1, cute::_1>;
-  using Op = TileEpilogue<Element>;
+  static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
+  using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using Op = TileEpilogue<Element, kTileN>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -370,13 +405,15 @@ struct TileKernel {
     args.mainloop.ptr_B = static_cast<const Element*>(a.w);
     args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, {(int)a.N, (int)a.K, 1});
     const int32_t tiles_n = (int32_t)((a.N + kTileN - 1) / kTileN);
+    const int32_t flag_cols = (int32_t)((a.N + kFlagCols - 1) / kFlagCols);
     EpilogueArgs& e = args.epilogue.a;
     e.peers = a.peers;
     e.out = static_cast<char*>(a.out);
     e.m = a.m;
     e.N = a.N;
     e.slot_bytes = a.slot_bytes;
-    e.tiles_n = tiles_n;
+    e.flag_cols = flag_cols;
+    e.legacy_publish = a.legacy_publish;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;
@@ -394,18 +431,19 @@ struct TileKernel {
     g.slot_bytes = a.slot_bytes;
     g.n = n;
     g.rank = a.peers.rank;
-    g.cluster_rows = (int32_t)(a.m / kTileRowAlign);
-    g.tiles_n = tiles_n;
+    g.cluster_rows = (int32_t)(a.m / (kTileM * kClusterM));
+    g.cluster_cols = (tiles_n + kClusterN - 1) / kClusterN;
     g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
-    g.total = g.cluster_rows * n * tiles_n;
+    g.total = g.cluster_rows * n * g.cluster_cols;
+    e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kTileClusterM;
-    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.x = kClusterM;
+    cluster.val.clusterDim.y = kClusterN;
     cluster.val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = Kernel::get_grid_shape(params);
@@ -420,3 +458,15 @@ struct TileKernel {
 
 }  // namespace jaxoverlap::tile
 
+
+// One instantiation file per menu entry and w layout (tile_rs_e<k>_<wrow|wcol>.cu): the entry's
+// preload and launch, declared in tile_rs.cu's menu.
+#define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N)                          \
+  namespace jaxoverlap {                                                                         \
+  using TileKernel_##NAME =                                                                      \
+      tile::TileKernel<cutlass::bfloat16_t, WCOL, TILE_N, CLUSTER_M, CLUSTER_N>;                 \
+  cudaError_t tile_rs_preload_##NAME() { return TileKernel_##NAME::preload(); }                  \
+  cudaError_t tile_rs_launch_##NAME(const TileRsArgs& a, cudaStream_t stream) {                  \
+    return TileKernel_##NAME::launch(a, stream);                                                 \
+  }                                                                                              \
+  }

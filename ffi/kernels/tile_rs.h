@@ -20,10 +20,11 @@
 
 namespace jaxoverlap {
 
-constexpr int kTileM = 128, kTileN = 256;  // CTA tile (two consumer warpgroups of 64 rows)
-constexpr int kTileClusterM = 2;           // CTAs of a cluster along M (they share w's tile)
-constexpr int kTileSlabs = 8;              // 16-row slabs of a tile: one per consumer warp
-constexpr int64_t kTileRowAlign = kTileM * kTileClusterM;  // a rank's rows: a multiple of this
+constexpr int kTileM = 128;    // CTA tile rows (two consumer warpgroups of 64); the columns
+                               // (256 or 128) and the cluster are the menu entry's (tile_rs.cu)
+constexpr int kTileSlabs = 8;  // 16-row slabs of a tile: one per consumer warp
+constexpr int kFlagCols = 128; // columns per flag: a 16 x 128 piece of a slab, whatever the entry
+constexpr int64_t kTileRowAlign = 256;  // a rank's rows: a multiple of this (every entry's cluster)
 
 struct TileRsArgs {
   Peers peers;
@@ -36,23 +37,29 @@ struct TileRsArgs {
   int64_t slot_bytes;  // stride of the staging slots (tile_rs_slot_bytes)
   int32_t sm_count;    // CTAs of the persistent grid
   int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
+  int32_t entry;       // the menu entry (tile_rs_menu_size(); tile_rs_choose picks it)
   // 0: the fused op. Tools only (tools/probes/tile_rs_probe.cu): 1 = no waits and no flags (the
   // GEMM and the epilogue's traffic alone); 2 = a plain GEMM of all n * m rows into out (the
   // kernel's GEMM floor); 3 = 1 without the own tiles' adds; 4 = 3 with the foreign tiles stored
   // into out ([n * m, N]) too; 5 = 2 in the fused op's block order.
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
+  // Tools only: 1 = each foreign slab's flags published after a full system fence and always a
+  // tile late (the epilogue before issue 24), for timing against today's.
+  int32_t legacy_publish;
   int32_t op;
   uint64_t timeout_ns;
   ErrorRecord* err;
 };
 
-// Tiles of one rank's block.
-int64_t tile_rs_tiles_per_block(int64_t m, int64_t N);
+// Flags of one rank's block: one per 16 rows x kFlagCols columns (row-major over the block), the
+// same for every menu entry (a 256-column tile publishes and waits for two per slab), so the
+// workspace and the protocol do not depend on the entry -- ranks may even run different ones.
+int64_t tile_rs_flags_per_block(int64_t m, int64_t N);
 // A staging slot (Peers::stage[j] + slot * slot_bytes holds what source stage_slot^-1 sends to
 // rank j): the m x N block of each epoch parity (consecutive calls alternate, so a source never
-// overwrites data its owner may still read), then the source's flags, one word per 16-row slab
-// of each tile: the epoch of the call whose slab has landed. Zeroed when the workspace is made.
+// overwrites data its owner may still read), then the source's flags: the epoch of the call
+// whose 16 x 128 piece has landed. Zeroed when the workspace is made.
 int64_t tile_rs_slot_bytes(int64_t m, int64_t N);
 __host__ __device__ inline uint32_t* tile_slab_flags(char* slot, int64_t m, int64_t N) {
   return reinterpret_cast<uint32_t*>(slot + 2 * m * N * 2);
@@ -61,9 +68,16 @@ __host__ __device__ inline uint32_t* tile_slab_flags(char* slot, int64_t m, int6
 // "" if the kernel runs this problem, else why not.
 std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_t K,
                                 const void* x, const void* w, const void* out);
-// Loads the kernels on the current device and sets their shared-memory limit (once per device,
-// outside any capture).
-cudaError_t preload_tile_kernels();
+// The menu (tile_rs.cu): entries 0 .. tile_rs_menu_size() - 1, entry 0 the default.
+int tile_rs_menu_size();
+const char* tile_rs_entry_name(int entry);  // e.g. "128x256c2x1"
+// Loads one entry's kernel on the current device and sets its shared-memory limit (outside any
+// capture; DESIGN.md decision 5: before a kernel of ours can spin). Idempotent, thread-safe.
+cudaError_t preload_tile_entry(int entry, bool w_colmajor);
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream);
+
+// Advances a workspace's epoch by one on `stream` (the claim counters alternate per call): what
+// timing the kernels back to back needs (runtime/tile_menu.cc).
+cudaError_t tile_rs_advance_epoch(Flags* flags, cudaStream_t stream);
 
 }  // namespace jaxoverlap

@@ -23,8 +23,8 @@ struct Geometry {
   const char* stage;     // this rank's staging (the peers' partials of its own tiles)
   int64_t m, N, slot_bytes;
   int32_t n, rank;
-  int32_t cluster_rows;  // cluster rows (kTileRowAlign rows) per rank block
-  int32_t tiles_n;
+  int32_t cluster_rows;  // cluster rows (kTileM * kClusterM rows) per rank block
+  int32_t cluster_cols;  // cluster columns (kTileN * kClusterN columns, the last partial)
   int32_t swizzle;
   int32_t total;         // cluster tiles of the whole problem
   int32_t plain;         // mode 2: natural block order
@@ -39,6 +39,7 @@ __device__ __forceinline__ uint64_t* claim_ring() {
 
 struct ClaimedTiles {};  // the scheduler tag (TileSchedulerSelector below)
 
+template <int kTileN, int kClusterM, int kClusterN>
 class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
@@ -81,7 +82,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // The k-th tile of this CTA. The leader CTA's mainloop producer warp (warp 0; it runs ahead of
   // every other role: the others fetch tile k only after consuming tile k - 1, which that warp
   // loaded) claims tiles from the counter one ahead -- the atomic for tile k + 1 is in flight
-  // while tile k loads -- and writes tile k into both CTAs' rings; everyone else waits for the
+  // while tile k loads -- and writes tile k into every CTA's ring of the cluster; everyone else waits for the
   // ring entry. Entry k is overwritten by tile k + kRing only when every reader is past tile k:
   // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them. A CTA
   // holds at most its current tile and the next; the next of a foreign tile may be an own tile,
@@ -103,7 +104,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
         next_ = (int32_t)atomicAdd(counter, 1u);
         const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
         const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
-        for (uint32_t c = 0; c < (uint32_t)kTileClusterM; ++c) {
+        for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
           uint32_t remote;
           asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
           asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
@@ -135,7 +136,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     if (!g_.prefetch) return;
     const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
     const int32_t j = (int32_t)(row / g_.m);
-    if (j != g_.rank) return;
+    if (j != g_.rank || col0 >= g_.N) return;
     const int s = (threadIdx.x % 256) / 32;  // the warp's slab (CUTLASS's MMA thread index / 32)
     const int64_t bytes = min((int64_t)kTileN, g_.N - col0) * 2;
     const int64_t parity = (e_ & 1u) * g_.m * g_.N * 2;
@@ -154,16 +155,16 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // block, bands of `swizzle` cluster rows, column-major inside a band.
   CUTLASS_DEVICE WorkTileInfo decode(int32_t t) const {
     if (t >= g_.total) return WorkTileInfo::invalid_work_tile();
-    const int32_t per_block = g_.cluster_rows * g_.tiles_n;
+    const int32_t per_block = g_.cluster_rows * g_.cluster_cols;
     const int32_t vb = t / per_block, i = t - vb * per_block;
-    const int32_t band = i / (g_.swizzle * g_.tiles_n);
+    const int32_t band = i / (g_.swizzle * g_.cluster_cols);
     const int32_t rows = min(g_.swizzle, g_.cluster_rows - band * g_.swizzle);
-    const int32_t ii = i - band * g_.swizzle * g_.tiles_n;
+    const int32_t ii = i - band * g_.swizzle * g_.cluster_cols;
     const int32_t cm = band * g_.swizzle + ii % rows, cn = ii / rows;
     const int32_t block = g_.plain ? vb : (vb + g_.rank + 1) % g_.n;
-    const int32_t m_idx =
-        (block * g_.cluster_rows + cm) * kTileClusterM + (int32_t)cute::block_id_in_cluster().x;
-    return {m_idx, cn, 0, true};
+    const dim3 c = cute::block_id_in_cluster();
+    const int32_t m_idx = (block * g_.cluster_rows + cm) * kClusterM + (int32_t)c.x;
+    return {m_idx, cn * kClusterN + (int32_t)c.y, 0, true};
   }
 
   Geometry g_;
@@ -179,7 +180,9 @@ namespace cutlass::gemm::kernel::detail {
 template <class TileShape, class ClusterShape, uint32_t Stages, class ProblemShapeType>
 struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTiles, arch::Sm90, TileShape, ClusterShape,
                              Stages, ProblemShapeType> {
-  using Scheduler = jaxoverlap::tile::ClaimScheduler;
+  using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
+                                                     cute::size<0>(ClusterShape{}),
+                                                     cute::size<1>(ClusterShape{})>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 

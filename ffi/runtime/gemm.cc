@@ -38,19 +38,11 @@ bool read_choice(const std::string& path, int found, GemmRunner::Choice* c) {
   return true;
 }
 
-// Publishes a choice at `path` unless one is there: written to a private file, then hard-linked
-// into place (atomic; fails if the name exists), so readers never see a partial file and the
-// first writer wins. Returns false when another process's choice was there first.
 bool publish_choice(const std::string& path, const GemmRunner::Choice& c) {
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "w");
-  if (!f) return true;  // no cache (read-only, missing directory): keep our own choice
-  std::fprintf(f, "%d %.6f %.6f %d\n", c.chosen, c.ms_first, c.ms_best, c.candidates);
-  const bool written = std::fclose(f) == 0;
-  const bool linked = written && link(tmp.c_str(), path.c_str()) == 0;
-  const bool exists = !linked && errno == EEXIST;
-  unlink(tmp.c_str());
-  return !exists;
+  char text[96];
+  std::snprintf(text, sizeof(text), "%d %.6f %.6f %d\n", c.chosen, c.ms_first, c.ms_best,
+                c.candidates);
+  return publish_once(path, text);
 }
 
 std::string lt_error(const char* what, cublasStatus_t s) {
@@ -58,6 +50,18 @@ std::string lt_error(const char* what, cublasStatus_t s) {
 }
 
 }  // namespace
+
+bool publish_once(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (!f) return true;  // no cache (read-only, missing directory): keep our own choice
+  std::fputs(text.c_str(), f);
+  const bool written = std::fclose(f) == 0;
+  const bool linked = written && link(tmp.c_str(), path.c_str()) == 0;
+  const bool exists = !linked && errno == EEXIST;
+  unlink(tmp.c_str());
+  return !exists;
+}
 
 constexpr int kCandidates = 8;  // heuristic candidates timed per shape
 constexpr int kReps = 3;        // launches per timing; two timings per candidate, best kept
@@ -85,6 +89,11 @@ std::string GemmRunner::init() {
 void GemmRunner::set_cache_dir(const std::string& dir) {
   std::lock_guard<std::mutex> lock(cache_mu);
   cache_dir = dir;
+}
+
+std::string GemmRunner::get_cache_dir() {
+  std::lock_guard<std::mutex> lock(cache_mu);
+  return cache_dir;
 }
 
 std::string GemmRunner::cache_file(const GemmShape& s, const GemmAlign& al) const {

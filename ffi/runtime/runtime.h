@@ -40,7 +40,6 @@ struct DeviceRuntime {
   // ce_setup) and whether the copy-engine protocol kernels are loaded.
   cudaStream_t copy = nullptr;
   bool ce_kernels_loaded = false;
-  bool tile_kernels_loaded = false;  // the tile GEMM + reduce-scatter (handlers/gemm_rs_tile.cc)
   // The copy-engine reduce-scatter's GEMM-chunk-done events, one per (peer block, chunk),
   // created by its handler (handlers/gemm_rs_ce.cc).
   std::vector<cudaEvent_t> chunk_done;

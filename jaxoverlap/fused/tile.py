@@ -2,15 +2,17 @@
 
 One persistent CUTLASS GEMM over the whole GPU computes ``x @ w`` tile by tile, the tiles of the
 blocks other ranks own first; each tile's epilogue stores it (bf16) straight into its owner's
-staging in peer memory and publishes a flag per 16-row slab; the own block's tiles come last, wait
-(bounded) for the peers' slabs of the same tile, add them to the f32 accumulators in rank order
-and round once. There is no split GEMM, no communication kernel and no SM partition: the chunked
-schedule's two measured costs (splitting the GEMM, the last chunk's push on 4 SMs) are gone by
-construction (ffi/kernels/tile_rs.h has the protocol, ffi/handlers/gemm_rs_tile.cc the call).
+staging in peer memory and publishes a flag per 16 x 128 piece; the own block's tiles come last,
+wait (bounded) for the peers' pieces of the same tile, add them to the f32 accumulators in rank
+order and round once. The kernel is one of a menu (tile sizes, clusters), chosen per problem by
+timing at its first execution (ffi/kernels/tile_rs.cu). There is no split GEMM, no communication
+kernel and no SM partition: the chunked schedule's two measured costs (splitting the GEMM, the
+last chunk's push on 4 SMs) are gone by construction (ffi/kernels/tile_rs.h has the protocol,
+ffi/handlers/gemm_rs_tile.cc the call).
 Which calls take it: `policy.rows_setting` (the config, or the tuner's entry); this module checks
 what the kernel supports and describes its call for `call.emit`.
 
-Supported: bfloat16, rows per rank a multiple of 256 (two 128-row tiles of a cluster), K and N
+Supported: bfloat16, rows per rank a multiple of 256 (the largest cluster's rows), K and N
 multiples of 8, 2..8 GPUs, w row- or column-major (``ct @ w.T`` in a backward), x in rows (any
 scattered dimension but the last: the custom call's layout makes it major-most, as for the
 chunked schedule). Everything else -- the group table, the workspace key, the failure path, the
@@ -25,7 +27,7 @@ from jaxoverlap.fused import call, policy
 from jaxoverlap.fused.targets import GEMM_RS_TILE_TARGET as TARGET
 
 ROW_ALIGN = 256  # kTileRowAlign in ffi/kernels/tile_rs.h
-TILE_M, TILE_N, SLABS = 128, 256, 8  # kTileM, kTileN, kTileSlabs
+FLAG_ROWS, FLAG_COLS = 16, 128  # a flag per 16 x kFlagCols piece of a block (ffi/kernels/tile_rs.h)
 # Cluster rows (256 rows of x) per raster band: 8 was as fast as or faster than 1, 2 and 4 on
 # each of 10 shapes, timed interleaved on one H200 (docs/measurements.md runs 48-50); up to 6 %
 # faster than 4 on the 16384-wide shapes (more reuse of w's tiles in L2).
@@ -51,9 +53,9 @@ def unsupported_reason(dtype, m, k, n_cols, n):
 
 def slot_bytes(m, n_cols):
     """One staging slot as the handler sizes it (tile_rs_slot_bytes in ffi/kernels/tile_rs.cu):
-    the m x N block of both epoch parities, then the source's slab flags; 256-byte aligned."""
-    tiles = (m // TILE_M) * (-(-n_cols // TILE_N))
-    return -(-(2 * m * n_cols * 2 + tiles * SLABS * 4) // 256) * 256
+    the m x N block of both epoch parities, then the source's flags; 256-byte aligned."""
+    flags = (m // FLAG_ROWS) * (-(-n_cols // FLAG_COLS))
+    return -(-(2 * m * n_cols * 2 + flags * 4) // 256) * 256
 
 
 def lower(ctx, x, w, params, table, swizzle):

@@ -17,14 +17,20 @@ mkdir -p "$OBJ"
 F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Iffi
    "-I$CUBLAS_ROOT/include" ${FLAGS:-})
 for d in $CUTLASS_INC; do F+=("-I$d"); done
-srcs=(ffi/kernels/tile_rs_bf16_wrow.cu ffi/kernels/tile_rs_bf16_wcol.cu ffi/kernels/tile_rs.cu
-      ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/runtime/gemm.cc ffi/runtime/capture.cc
+srcs=(ffi/kernels/tile_rs_e*_w*.cu ffi/kernels/tile_rs.cu ffi/kernels/comm.cu ffi/kernels/fill.cu
+      ffi/runtime/gemm.cc ffi/runtime/capture.cc ffi/runtime/tile_menu.cc
       tools/probes/tile_rs_probe.cu)
-pids=()
+# JOBS compilations at a time (default: the cores); an object newer than its source and the
+# headers is kept (a rebuild after a probe-only change is quick).
+JOBS=${JOBS:-$(nproc)}
+newest=$(ls -t ffi/kernels/*.h ffi/kernels/*.cuh ffi/runtime/*.h | head -1)
 for s in "${srcs[@]}"; do
-  nvcc "${F[@]}" -x cu -c "$s" -o "$OBJ/$(basename "$s").o" & pids+=($!)
+  o="$OBJ/$(basename "$s").o"
+  [[ -f $o && $o -nt $s && $o -nt $newest ]] && continue
+  while (($(jobs -rp | wc -l) >= JOBS)); do wait -n; done
+  nvcc "${F[@]}" -x cu -c "$s" -o "$o" &
 done
-for p in "${pids[@]}"; do wait "$p"; done
+while (($(jobs -rp | wc -l) > 0)); do wait -n || exit 1; done
 nvcc -gencode=arch=compute_90a,code=sm_90a "$OBJ"/*.o -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
   -o "$OUT/$NAME"
 echo "built $OUT/$NAME"

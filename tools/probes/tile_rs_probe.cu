@@ -1,23 +1,33 @@
-// Probe of the tile-fused GEMM + reduce-scatter (ffi/kernels/tile_rs.cuh) on ONE GPU.
+// Probe of the tile-fused GEMM + reduce-scatter's menu (ffi/kernels/tile_rs.cuh, tile_rs.cu) on
+// ONE GPU.
 //
-//   check: two ranks of a tp = 2 group on one GPU, each kernel on its own stream with half the
-//          SMs (both must be resident: there is no time-slicing within a process), several calls
-//          in a row (epochs, double-buffered staging, the claim counters' parity) -> each rank's
-//          block against an f32 reference and bitwise equal across calls.
-//   time:  per-device M x K x N, one rank alone on all SMs: the kernel as a plain GEMM (mode 2),
-//          the kernel with its communication traffic but no waits (mode 1: foreign tiles stored
-//          to a second buffer, own tiles add it), against cuBLASLt (heuristic's first choice and
-//          the best of its top 8, ffi/runtime/gemm.h). What two GPUs add (NVLink, waits) is not here.
+//   check: n ranks of a group on one GPU (n = 2, 4, 8), each kernel on its own stream with 1/n of
+//          the SMs (all must be resident: there is no time-slicing within a process), several
+//          calls in a row (epochs, double-buffered staging, the claim counters' parity) -> each
+//          rank's block against an f32 reference and bitwise equal across calls; every menu
+//          entry, and ranks running different entries (the flag layout is the entry's own
+//          business: one flag per 16 x 128 piece whatever the tile).
+//   time FILE [--pick] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
+//          per line), one rank alone on all SMs, timed interleaved (BENCHMARKS.md) per shape:
+//          the reference = the GEMM runner's searched cuBLASLt plan (ffi/runtime/gemm.h; XLA's
+//          jnp.matmul is NOT timed here: the reference is cuBLASLt only), every entry as a plain
+//          GEMM (mode 2) and solo (mode 1: the foreign tiles' stores and the own tiles' adds of
+//          tp - 1 peer slabs, no waits or flags) and "prod" (mode 0, the production kernel, on
+//          the emulated group: flags published, fences executed, own tiles' waits passing as
+//          their peers' tiles are done; class Problem; "prod-legacy": the pick with the full
+//          fence per foreign slab and its flags always a tile late, as before issue 24).
+//          --pick: first a separate pass chooses each shape's entry with the production
+//          selection (tile_rs_choose, empty cache), then the interleaved run times the pick
+//          too. Geomeans per set; judged shapes 2 M K N >= 1e11.
 //
-// Build (tools/gpu_check.sh --tile-probe does this on the GPU machine, from the carried binary):
-//   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//     -Iffi -I<cutlass>/include -I<cublas>/include tools/probes/tile_rs_probe.cu \
-//     ffi/kernels/tile_rs*.cu ffi/kernels/comm.cu ffi/kernels/fill.cu ffi/runtime/gemm.cc ffi/runtime/capture.cc \
-//     -L<cublas>/lib -l:libcublasLt.so.13 -o tile_rs_probe
-// Usage: tile_rs_probe check | time M K N [M K N ...]
+// Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
+// tile_rs_probe time FILE [--pick] [--json OUT]
 #include <cuda_bf16.h>
+#include <stdlib.h>
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +41,7 @@
 #include "kernels/comm.h"
 #include "kernels/fill.h"
 #include "kernels/tile_rs.h"
+#include "runtime/tile_menu.h"
 
 using namespace jaxoverlap;
 
@@ -66,6 +77,14 @@ __global__ void ref_gemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* 
 }
 
 __global__ void finish(Flags* f) { f->epoch += 1; }
+// The end of a call of the emulated group (time mode, every variant: the modes interleave on one
+// flag block): every peer has released the staging it read (what their launch_release_slots
+// does; mode 0's foreign tiles wait for it) and the epoch advances.
+__global__ void finish_emulated(Flags* f, int n) {
+  const uint32_t e = f->epoch + 1u;
+  for (int j = 0; j < n; ++j) f->slot_free[j] = e;
+  f->epoch = e;
+}
 
 struct Rank {
   __nv_bfloat16 *x, *w, *out;
@@ -79,7 +98,7 @@ void fill(void* p, int64_t n, uint32_t seed) {
 }
 
 TileRsArgs make_args(Rank* rk, int r, int n, int64_t m, int64_t N, int64_t K, int w_col,
-                     uint32_t* abort, ErrorRecord* err, int sms, int mode) {
+                     uint32_t* abort, ErrorRecord* err, int sms, int mode, int entry) {
   TileRsArgs a{};
   a.peers.n = n;
   a.peers.rank = r;
@@ -100,6 +119,7 @@ TileRsArgs make_args(Rank* rk, int r, int n, int64_t m, int64_t N, int64_t K, in
   a.slot_bytes = tile_rs_slot_bytes(m, N);
   a.sm_count = sms;
   a.swizzle = 4;
+  a.entry = entry;
   a.mode = mode;
   a.stall_rank = -1;
   a.op = kOpGemmRs;
@@ -108,14 +128,16 @@ TileRsArgs make_args(Rank* rk, int r, int n, int64_t m, int64_t N, int64_t K, in
   return a;
 }
 
-// n ranks on one GPU (each kernel on 1/n of the SMs), `calls` calls; false on a mismatch.
-bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
+// n ranks on one GPU (each kernel on 1/n of the SMs), `calls` calls, rank r running menu entry
+// entries[r]; false on a mismatch. *out0: rank 0's block of the first call.
+bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const int* entries,
+           std::vector<uint16_t>* out0) {
   const int64_t m = M / n;
   int total_sms = 0;
   CK(cudaDeviceGetAttribute(&total_sms, cudaDevAttrMultiProcessorCount, 0));
   // Every rank's kernel must be resident at once (no time-slicing within a process): a cluster
-  // of slack for the GPCs' cluster placement beyond two ranks.
-  const int sms = (total_sms / n / kTileClusterM - (n > 2 ? 1 : 0)) * kTileClusterM;
+  // of slack for the GPCs' cluster placement beyond two ranks (clusters of at most 2 CTAs).
+  const int sms = (total_sms / n / 2 - (n > 2 ? 1 : 0)) * 2;
   Rank rk[kMaxRanks];
   uint32_t* abort;
   CK(cudaHostAlloc(&abort, kAbortSlots * 4, cudaHostAllocMapped));
@@ -144,7 +166,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
   bool ok = true;
   for (int call = 0; call < calls; ++call) {
     for (int r = 0; r < n; ++r) {
-      TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, sms, 0);
+      TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, sms, 0, entries[r]);
       CK(launch_tile_rs(a, rk[r].stream));
       CK(launch_release_slots(a.peers, rk[r].stream));
       finish<<<1, 1, 0, rk[r].stream>>>(rk[r].flags);
@@ -176,8 +198,9 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
           if (d > diff) diff = d, worst = i;
         }
         const double rel = diff / (mx > 0 ? mx : 1);
-        std::printf("  rank %d: max |err| / max |ref| = %.2e (worst at row %lld col %lld)\n", r,
-                    rel, (long long)(worst / N), (long long)(worst % N));
+        if (!(rel < 1e-2) || r == 0)
+          std::printf("  rank %d: max |err| / max |ref| = %.2e (worst at row %lld col %lld)\n", r,
+                      rel, (long long)(worst / N), (long long)(worst % N));
         if (!(rel < 1e-2)) ok = false;
         first[r] = got;
       } else if (got != first[r]) {
@@ -186,6 +209,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
       }
     }
   }
+  if (out0) *out0 = first[0];
   for (int r = 0; r < n; ++r) {
     cudaFree(rk[r].x), cudaFree(rk[r].w), cudaFree(rk[r].out), cudaFree(rk[r].stage);
     cudaFree(rk[r].flags), cudaStreamDestroy(rk[r].stream);
@@ -195,27 +219,28 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n) {
 }
 
 // Median ms per launch of each variant, timed interleaved (BENCHMARKS.md): 7 rounds, each
-// variant 20 launches per round in turn, after 5 warm-up launches of each; spread = (max -
-// min) / median of the 7.
+// variant `reps` launches per round in turn (20, fewer for long launches: a round of one variant
+// stays ~5 ms or more), after warm-up launches of each; spread = (max - min) / median of the 7.
 struct Timed {
   float ms, spread;
 };
-std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fns, cudaStream_t s) {
+std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fns, cudaStream_t s,
+                                    int reps) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   for (const auto& f : fns)
-    for (int i = 0; i < 5; ++i) f();
+    for (int i = 0; i < std::max(2, reps / 4); ++i) f();
   std::vector<std::vector<float>> ts(fns.size());
   for (int rep = 0; rep < 7; ++rep)
     for (size_t v = 0; v < fns.size(); ++v) {
       CK(cudaEventRecord(a, s));
-      for (int i = 0; i < 20; ++i) fns[v]();
+      for (int i = 0; i < reps; ++i) fns[v]();
       CK(cudaEventRecord(b, s));
       CK(cudaEventSynchronize(b));
       float ms;
       CK(cudaEventElapsedTime(&ms, a, b));
-      ts[v].push_back(ms / 20);
+      ts[v].push_back(ms / reps);
     }
   std::vector<Timed> out;
   for (auto& t : ts) {
@@ -226,76 +251,81 @@ std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fn
   return out;
 }
 
-// Returns {plain / cuBLASLt, solo / cuBLASLt}.
-std::pair<double, double> time_shape(int64_t M, int64_t K, int64_t N, GemmRunner* lt) {
-  const int n = 2;
-  const int64_t m = M / n;
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  Rank rk[2];
+struct Shape {
+  std::string set;
+  int tp;
+  int64_t M, K, N;
+  TileChoice pick;
+  double choose_s = 0;
+  bool picked = false;
+};
+
+// The emulated rank 0 of a group of tp (all peers' staging and flags one buffer of this rank:
+// the foreign tiles' stores land there, the own tiles read tp - 1 slabs from it). In mode 0
+// ("prod": the production kernel) the foreign tiles' flags land in the very slots the own tiles
+// wait on (slot n - 1 - j for block j, slot src - 1 for source src: the same n - 1 slots), so
+// every flag is published, every fence executed and every wait passes once its tile is done.
+struct Problem {
+  Rank rk[kMaxRanks];
   uint32_t* abort;
-  CK(cudaHostAlloc(&abort, kAbortSlots * 4, cudaHostAllocMapped));
-  for (uint32_t i = 0; i < kAbortSlots; ++i) abort[i] = i ^ 1u;
-  for (int r = 0; r < n; ++r) {  // rank 1 only lends its staging (the foreign tiles' target)
-    CK(cudaMalloc(&rk[r].stage, (n - 1) * tile_rs_slot_bytes(m, N)));
-    CK(cudaMalloc(&rk[r].flags, sizeof(Flags)));
-    CK(cudaMemset(rk[r].flags, 0, sizeof(Flags)));
-    rk[r].x = rk[r].w = nullptr;
+  ErrorRecord* err;
+  int64_t m;
+  Problem(const Shape& sh) {
+    m = sh.M / sh.tp;
+    CK(cudaHostAlloc(&abort, kAbortSlots * 4, cudaHostAllocMapped));
+    for (uint32_t i = 0; i < kAbortSlots; ++i) abort[i] = i ^ 1u;
+    CK(cudaHostAlloc(&err, sizeof(ErrorRecord), cudaHostAllocMapped));
+    std::memset(err, 0, sizeof(ErrorRecord));
+    Rank& r0 = rk[0];
+    const int64_t stage = (sh.tp - 1) * tile_rs_slot_bytes(m, sh.N);
+    CK(cudaMalloc(&r0.stage, stage));
+    CK(cudaMalloc(&r0.flags, sizeof(Flags)));
+    CK(cudaMemset(r0.flags, 0, sizeof(Flags)));
+    CK(cudaMalloc(&r0.x, sh.M * sh.K * 2));
+    CK(cudaMalloc(&r0.w, sh.K * sh.N * 2));
+    CK(cudaMalloc(&r0.out, sh.M * sh.N * 2));
+    fill(r0.x, sh.M * sh.K, 5);
+    fill(r0.w, sh.K * sh.N, 7);
+    CK(cudaMemset(r0.stage, 0, stage));  // flags included: no stale epochs
+    for (int r = 1; r < sh.tp; ++r) rk[r] = r0;
+    CK(cudaDeviceSynchronize());
   }
-  CK(cudaMalloc(&rk[0].x, M * K * 2));
-  CK(cudaMalloc(&rk[0].w, K * N * 2));
-  CK(cudaMalloc(&rk[0].out, M * N * 2));
-  fill(rk[0].x, M * K, 5);
-  fill(rk[0].w, K * N, 7);
-  fill(rk[0].stage, m * N * 2, 9);
-  CK(cudaDeviceSynchronize());
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  // cuBLASLt with the runner's search (the best of its top 8 by timing, ffi/runtime/gemm.h), as the
-  // chunked schedule's GEMMs run; planned before the timing.
-  const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
-  if (std::string e = lt->run(gs, rk[0].x, rk[0].w, nullptr, rk[0].out, s); !e.empty()) {
-    std::printf("cuBLASLt: %s\n", e.c_str());
-    std::exit(1);
+  ~Problem() {
+    cudaFree(rk[0].stage), cudaFree(rk[0].flags), cudaFree(rk[0].x), cudaFree(rk[0].w);
+    cudaFree(rk[0].out), cudaFreeHost(abort), cudaFreeHost(err);
   }
-  auto tile = [&](int mode, int swizzle) -> std::function<void()> {
-    TileRsArgs a = make_args(rk, 0, n, m, N, K, 0, abort, nullptr, sms, mode);
+  TileRsArgs args(const Shape& sh, int sms, int mode, int entry, int swizzle, int legacy = 0) {
+    TileRsArgs a = make_args(rk, 0, sh.tp, m, sh.N, sh.K, 0, abort, err, sms, mode, entry);
     a.swizzle = swizzle;
-    // Each call ends with the epoch's advance, as a fused call does (the claim counters
-    // alternate between calls).
-    return [&, a] {
-      CK(launch_tile_rs(a, s));
-      finish<<<1, 1, 0, s>>>(rk[0].flags);
-    };
-  };
-  const char* names[] = {"cublasLt", "plain", "plain-rot", "solo sw1", "solo sw4", "solo sw8",
-                         "no-add", "one-buffer"};
-  std::vector<std::function<void()>> fns = {
-      [&] { lt->run(gs, rk[0].x, rk[0].w, nullptr, rk[0].out, s); },
-      tile(2, 4), tile(5, 4), tile(1, 1), tile(1, 4), tile(1, 8), tile(3, 4), tile(4, 4)};
-  const std::vector<Timed> t = time_interleaved(fns, s);
-  std::printf("%6lld x %6lld x %6lld |", (long long)M, (long long)K, (long long)N);
-  for (size_t v = 0; v < t.size(); ++v)
-    std::printf(" %s %.3f (%.0f%%)", names[v], t[v].ms, 100 * t[v].spread);
-  const float solo = std::min({t[3].ms, t[4].ms, t[5].ms});
-  std::printf(" | plain/lt %.3f solo/lt %.3f\n", t[1].ms / t[0].ms, solo / t[0].ms);
-  for (int r = 0; r < n; ++r) cudaFree(rk[r].stage), cudaFree(rk[r].flags);
-  cudaFree(rk[0].x), cudaFree(rk[0].w), cudaFree(rk[0].out), cudaFreeHost(abort);
-  cudaStreamDestroy(s);
-  return {t[1].ms / t[0].ms, solo / t[0].ms};
+    a.legacy_publish = legacy;
+    a.timeout_ns = 2ull * 1000 * 1000 * 1000;  // a wait that gives up shows within seconds
+    return a;
+  }
+};
+
+constexpr int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE
+
+double geomean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += std::log(x);
+  return v.empty() ? NAN : std::exp(s / v.size());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if the run is cut short
   CK(cudaSetDevice(0));
-  CK(preload_tile_kernels());
+  const int E = tile_rs_menu_size();
+  for (int e = 0; e < E; ++e)
+    for (bool wc : {false, true}) CK(preload_tile_entry(e, wc));
   CK(preload_comm_kernels());
   // This file's kernels too: a module loaded lazily while a rank's kernel spins on its peer
   // waits for that kernel, whose peer is launched only after the load (seen: the first check
   // timed out; DESIGN.md's decision 5).
   cudaFuncAttributes attr;
   CK(cudaFuncGetAttributes(&attr, finish));
+  CK(cudaFuncGetAttributes(&attr, finish_emulated));
   CK(cudaFuncGetAttributes(&attr, ref_gemm));
   const std::string what = argc > 1 ? argv[1] : "check";
   if (what == "check") {
@@ -306,43 +336,246 @@ int main(int argc, char** argv) {
     } cases[] = {
         {4096, 4096, 4096, 0, 2, "square, full tiles"},
         {4096, 4096, 4096, 1, 2, "w column-major"},
-        {2048, 1032, 1000, 0, 2, "K % 64 != 0, N % 256 != 0 (partial tiles)"},
-        {1024, 256, 512, 0, 2, "fewer tiles than CTAs"},
+        {2048, 1032, 1000, 0, 2, "K % 64 != 0, N % 256 != 0, N % 128 != 0 (partial tiles)"},
+        {1024, 256, 640, 0, 2, "fewer tiles than CTAs, N an odd number of 128-column tiles"},
         {8192, 2048, 4096, 0, 2, "many tiles per CTA"},
         {4096, 1024, 1280, 0, 4, "4 ranks: three peers' slabs summed in rank order"},
         {8192, 512, 768, 1, 8, "8 ranks, w column-major"},
+        {4096, 1032, 1160, 1, 4, "4 ranks, w column-major, partial tiles in N and K"},
     };
     bool ok = true;
     for (const Case& c : cases) {
-      std::printf("check %lld x %lld x %lld, %d ranks (%s):\n", (long long)c.M, (long long)c.K,
-                  (long long)c.N, c.n, c.why);
       const std::string why = tile_rs_unsupported(DType::kBF16, c.n, c.M / c.n, c.N, c.K,
                                                   nullptr, nullptr, nullptr);
       if (!why.empty()) {
-        std::printf("  unsupported: %s\n", why.c_str());
+        std::printf("check %lld x %lld x %lld: unsupported: %s\n", (long long)c.M,
+                    (long long)c.K, (long long)c.N, why.c_str());
         ok = false;
         continue;
       }
-      if (!check(c.M, c.K, c.N, c.w_col, 4, c.n)) ok = false;
+      std::vector<uint16_t> out0, got;
+      for (int e = -1; e < E; ++e) {  // -1: rank r runs entry r % E
+        int entries[kMaxRanks];
+        for (int r = 0; r < c.n; ++r) entries[r] = e < 0 ? r % E : e;
+        std::printf("check %lld x %lld x %lld, %d ranks (%s), %s%s:\n", (long long)c.M,
+                    (long long)c.K, (long long)c.N, c.n, c.why, e < 0 ? "mixed entries " : "entry ",
+                    e < 0 ? "r % menu" : tile_rs_entry_name(e));
+        if (!check(c.M, c.K, c.N, c.w_col, 4, c.n, entries, &got)) ok = false;
+        if (e == -1) out0 = got;
+        else if (got != out0)  // a fact worth knowing, not a failure
+          std::printf("  note: entry %s's bits differ from rank 0's of the mixed run\n",
+                      tile_rs_entry_name(e));
+      }
     }
-    std::printf("TILE CHECK: %s\n", ok ? "PASSED" : "FAILED");
+    std::printf("TILE CHECK (%d entries): %s\n", E, ok ? "PASSED" : "FAILED");
     return ok ? 0 : 1;
+  }
+  if (what != "time" || argc < 3) {
+    std::printf("usage: tile_rs_probe check | time FILE [--pick] [--json OUT]\n");
+    return 2;
+  }
+  bool pick = false;
+  const char* json = nullptr;
+  for (int i = 3; i < argc; ++i) {
+    if (std::string(argv[i]) == "--pick") pick = true;
+    if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
+  }
+  std::vector<Shape> shapes;
+  {
+    FILE* f = std::fopen(argv[2], "r");
+    if (!f) {
+      std::printf("cannot read %s\n", argv[2]);
+      return 2;
+    }
+    char set[64];
+    int tp;
+    long long M, K, N;
+    while (std::fscanf(f, "%63s %d %lld %lld %lld", set, &tp, &M, &K, &N) == 5) {
+      const std::string why =
+          tile_rs_unsupported(DType::kBF16, tp, M / tp, N, K, nullptr, nullptr, nullptr);
+      if (!why.empty() || M % tp) {
+        std::printf("skipped %s %d %lld %lld %lld: %s\n", set, tp, M, K, N, why.c_str());
+        continue;
+      }
+      shapes.push_back(Shape{set, tp, M, K, N});
+    }
+    std::fclose(f);
   }
   GemmRunner lt;
   if (std::string e = lt.init(); !e.empty()) {
     std::printf("cuBLASLt: %s\n", e.c_str());
     return 1;
   }
-  std::printf("M x K x N (per device): ms (spread) of each variant, interleaved; solo = the "
-              "best of its swizzles\n");
-  double lp = 0, ls = 0;
-  int shapes = 0;
-  for (int i = 2; i + 2 < argc; i += 3, ++shapes) {
-    auto [p, q] = time_shape(std::atoll(argv[i]), std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), &lt);
-    lp += std::log(p), ls += std::log(q);
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (pick) {  // the selection pass: production's tile_rs_choose, an empty cache per run
+    char dir[] = "/tmp/tile_rs_probe_cacheXXXXXX";
+    if (!mkdtemp(dir)) {
+      std::printf("mkdtemp failed\n");
+      return 1;
+    }
+    std::printf("selection pass (tile_rs_choose, cache %s):\n", dir);
+    for (Shape& sh : shapes) {
+      Problem p(sh);
+      TileRsArgs a = p.args(sh, sms, 0, 0, kSwizzle);
+      const auto t0 = std::chrono::steady_clock::now();
+      tile_rs_choose(a, s, true, true, dir, &sh.pick);
+      CK(cudaStreamSynchronize(s));
+      sh.choose_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      sh.picked = true;
+      std::printf("  %s tp %d %lld x %lld x %lld: %s sw %d (%d timed, %.2f s; %.3f ms vs "
+                  "entry 0 %.3f ms)%s%s\n",
+                  sh.set.c_str(), sh.tp, (long long)sh.M, (long long)sh.K, (long long)sh.N,
+                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, sh.pick.timed, sh.choose_s,
+                  sh.pick.ms, sh.pick.ms_default, sh.pick.note.empty() ? "" : ": ",
+                  sh.pick.note.c_str());
+    }
   }
-  if (shapes)
-    std::printf("TILE geomean over %d shapes: plain / cuBLASLt %.3f, solo / cuBLASLt %.3f\n",
-                shapes, std::exp(lp / shapes), std::exp(ls / shapes));
+  std::printf("\nper shape, ms (median of 7 interleaved rounds; spread %%): reference = searched "
+              "cuBLASLt only (XLA's jnp.matmul not timed here); entries at swizzle %d\n",
+              kSwizzle);
+  FILE* jf = json ? std::fopen(json, "w") : nullptr;
+  if (jf) {  // BENCHMARKS.md "One-GPU rows": the benchmarks' object format, one row per shape
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S+00:00", std::gmtime(&now));
+    std::fprintf(jf,
+                 "{\"machine\": \"1x %s\", \"date\": \"%s\", \"tool\": "
+                 "\"tools/probes/tile_rs_probe.cu time --pick\", \"timing\": \"CUDA events; "
+                 "variants of one shape interleaved, 7 rounds of up to 20 launches each; ms = median "
+                 "of the rounds; reference = the GEMM runner's searched cuBLASLt plan only (XLA's "
+                 "jnp.matmul not timed); plain = mode 2, solo = mode 1, prod = mode 0 on the emulated "
+                 "group; entries at swizzle %d, the pick at its own\", \"rows\": [\n",
+                 prop.name, date, kSwizzle);
+  }
+  struct Agg {
+    std::vector<double> best, e0, pplain, psolo, pprod, solo_plain, prod_plain, legacy_plain;
+  };
+  std::vector<std::pair<std::string, Agg>> sets;  // in order of appearance
+  std::vector<std::pair<std::string, Agg>> judged;
+  auto agg = [](std::vector<std::pair<std::string, Agg>>& v, const std::string& k) -> Agg& {
+    for (auto& [name, a] : v)
+      if (name == k) return a;
+    v.push_back({k, Agg{}});
+    return v.back().second;
+  };
+  std::vector<int> wins(E, 0);
+  bool first_row = true;
+  for (Shape& sh : shapes) {
+    Problem p(sh);
+    const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
+    if (std::string e = lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); !e.empty()) {
+      std::printf("cuBLASLt: %s\n", e.c_str());
+      return 1;
+    }
+    auto tile = [&](int mode, int entry, int swizzle, int legacy = 0) -> std::function<void()> {
+      TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy);
+      return [&, a] {  // each call ends with the epoch's advance (the claim counters alternate)
+        CK(launch_tile_rs(a, s));
+        finish_emulated<<<1, 1, 0, s>>>(p.rk[0].flags, sh.tp);
+      };
+    };
+    std::vector<std::function<void()>> fns = {
+        [&] { lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); }};
+    for (int e = 0; e < E; ++e) fns.push_back(tile(2, e, kSwizzle));
+    for (int e = 0; e < E; ++e) fns.push_back(tile(1, e, kSwizzle));
+    for (int e = 0; e < E; ++e) fns.push_back(tile(0, e, kSwizzle));
+    if (sh.picked) {
+      fns.push_back(tile(2, sh.pick.entry, sh.pick.swizzle));
+      fns.push_back(tile(1, sh.pick.entry, sh.pick.swizzle));
+      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle));
+      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1));  // the fence, a tile late
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    // ~5 ms per round of a variant (the reference's time from one timed launch)
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    fns[0]();
+    CK(cudaEventRecord(a, s));
+    fns[0]();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float est = 1;
+    CK(cudaEventElapsedTime(&est, a, b));
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    const int reps = std::max(2, std::min(20, (int)(5.0f / std::max(est, 1e-3f))));
+    const std::vector<Timed> t = time_interleaved(fns, s, reps);
+    const double ref = t[0].ms;
+    int best = 0;
+    for (int e = 1; e < E; ++e)
+      if (t[1 + e].ms < t[1 + best].ms) best = e;
+    ++wins[best];
+    const double flop = 2.0 * sh.M * sh.K * sh.N;
+    std::printf("%-9s tp %d %6lld x %6lld x %6lld %.1e | ref %.3f (%.0f%%) | plain", sh.set.c_str(),
+                sh.tp, (long long)sh.M, (long long)sh.K, (long long)sh.N, flop, ref,
+                100 * t[0].spread);
+    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + e].ms / ref);
+    std::printf(" | solo");
+    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + E + e].ms / ref);
+    std::printf(" | prod");
+    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + 2 * E + e].ms / ref);
+    std::printf(" | best plain %s %.3f", tile_rs_entry_name(best), t[1 + best].ms / ref);
+    double pp = 0, ps = 0, pq = 0, pl = 0;
+    if (sh.picked) {
+      pp = t[1 + 3 * E].ms / ref, ps = t[2 + 3 * E].ms / ref, pq = t[3 + 3 * E].ms / ref;
+      pl = t[4 + 3 * E].ms / ref;
+      std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f",
+                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq, pl);
+    }
+    std::printf(" | %.1f s\n",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (p.err->set)
+      std::printf("  prod: a wait gave up: what %d peer %d flag %d (saw %u want %u)\n", p.err->what,
+                  p.err->peer, p.err->chunk, p.err->seen, p.err->target);
+    for (auto* v : {&sets, &judged}) {
+      if (v == &judged && flop < 1e11) continue;
+      Agg& g = agg(*v, sh.set);
+      g.best.push_back(t[1 + best].ms / ref);
+      g.e0.push_back(t[1].ms / ref);
+      if (sh.picked) {
+        g.pplain.push_back(pp), g.psolo.push_back(ps), g.pprod.push_back(pq);
+        g.solo_plain.push_back(ps / pp), g.prod_plain.push_back(pq / pp);
+        g.legacy_plain.push_back(pl / pp);
+      }
+    }
+    if (jf) {
+      std::fprintf(jf,
+                   "%s  {\"op\": \"matmul_reduce_scatter\", \"tp\": %d, \"dtype\": \"bfloat16\", "
+                   "\"M\": %lld, \"K_local\": %lld, \"N\": %lld, \"set\": \"%s\", \"pick\": "
+                   "\"%s\", \"swizzle\": %d, \"choose_s\": %.3f, \"ms\": {\"reference\": %.5f",
+                   first_row ? "" : ",\n", sh.tp, (long long)sh.M, (long long)sh.K,
+                   (long long)sh.N, sh.set.c_str(),
+                   sh.picked ? tile_rs_entry_name(sh.pick.entry) : "",
+                   sh.picked ? sh.pick.swizzle : 0,
+                   sh.choose_s, ref);
+      if (sh.picked)
+        std::fprintf(jf, ", \"plain\": %.5f, \"solo\": %.5f, \"prod\": %.5f, \"prod-legacy\": %.5f",
+                     t[1 + 3 * E].ms, t[2 + 3 * E].ms, t[3 + 3 * E].ms, t[4 + 3 * E].ms);
+      for (int e = 0; e < E; ++e)
+        std::fprintf(jf, ", \"plain:%s\": %.5f, \"solo:%s\": %.5f, \"prod:%s\": %.5f",
+                     tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + E + e].ms,
+                     tile_rs_entry_name(e), t[1 + 2 * E + e].ms);
+      std::fprintf(jf, "}}");
+      first_row = false;
+    }
+  }
+  if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
+  std::printf("\nbest plain entry per shape:");
+  for (int e = 0; e < E; ++e) std::printf(" %s %d", tile_rs_entry_name(e), wins[e]);
+  std::printf("\n");
+  for (auto* v : {&sets, &judged})
+    for (auto& [name, g] : *v)
+      std::printf("TILE geomean %-9s %-6s (%2zu shapes): entry0 plain/ref %.3f, best plain/ref "
+                  "%.3f | pick: plain/ref %.3f solo/ref %.3f prod/ref %.3f solo/plain %.3f "
+                  "prod/plain %.3f prod-legacy/plain %.3f\n",
+                  name.c_str(), v == &judged ? "judged" : "all", g.best.size(), geomean(g.e0),
+                  geomean(g.best), geomean(g.pplain), geomean(g.psolo), geomean(g.pprod),
+                  geomean(g.solo_plain), geomean(g.prod_plain), geomean(g.legacy_plain));
+  cudaStreamDestroy(s);
   return 0;
 }

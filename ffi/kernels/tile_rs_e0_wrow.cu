@@ -1,0 +1,5 @@
+// Menu entry 0 of the tile-fused GEMM + reduce-scatter (tile_rs.cu lists the menu): bfloat16,
+// w row-major [K, N], tiles 128x256, clusters 2x1.
+#include "kernels/tile_rs.cuh"
+
+JAXOVERLAP_TILE_ENTRY(e0_wrow, false, 256, 2, 1)

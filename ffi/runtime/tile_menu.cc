@@ -1,0 +1,231 @@
+// The tile schedule's choice of a menu entry per problem (kernels/tile_rs.cu has the menu): timed
+// at the problem's first execution, as the GEMM plans are (runtime/gemm.h), cached in this
+// process and published to the plans' cache directory, so every rank launches the same entry.
+#include "runtime/tile_menu.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/fill.h"
+#include "runtime/gemm.h"
+
+namespace jaxoverlap {
+
+namespace {
+
+std::mutex g_mu;                                              // g_choices
+std::map<std::pair<int, std::string>, TileChoice> g_choices;  // (device, problem) -> choice
+
+constexpr int kTileReps = 3;  // launches per timing; two timings per candidate, the best kept
+
+// The problem as the cache knows it: device kind, group size, shape, w layout, grid, the swizzle
+// asked for and the menu (a different build's menu is a different problem).
+// Device name and SM count, read once per device (cudaGetDeviceProperties is slow: it must not
+// run on every call).
+std::string device_text(int device) {
+  static std::mutex mu;
+  static std::map<int, std::string> texts;
+  std::lock_guard<std::mutex> hold(mu);
+  auto it = texts.find(device);
+  if (it != texts.end()) return it->second;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "unknown device";  // not remembered: asked again next time
+  }
+  return texts[device] = std::string(prop.name) + "/" + std::to_string(prop.multiProcessorCount);
+}
+
+std::string problem_text(const TileRsArgs& a) {
+  std::string text = device_text(a.peers.device);
+  for (int64_t v : {(int64_t)a.dtype, (int64_t)a.peers.n, a.m, a.N, a.K, (int64_t)a.w_colmajor,
+                    (int64_t)a.sm_count, (int64_t)a.swizzle})
+    text += " " + std::to_string(v);
+  for (int e = 0; e < tile_rs_menu_size(); ++e) text += std::string(" ") + tile_rs_entry_name(e);
+  return text;
+}
+
+std::string cache_path(const std::string& dir, const std::string& text) {
+  if (dir.empty()) return "";
+  char name[40];
+  std::snprintf(name, sizeof(name), "tile-%016zx", std::hash<std::string>{}(text));
+  return dir + "/" + name;
+}
+
+// "<entry name> <swizzle> <ms> <ms of entry 0>\n"; false if absent or not of this menu.
+bool read_choice(const std::string& path, TileChoice* c) {
+  if (path.empty()) return false;
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return false;
+  char name[64] = {};
+  int swizzle = 0;
+  float ms = 0, ms0 = 0;
+  const bool ok = std::fscanf(f, "%63s %d %f %f", name, &swizzle, &ms, &ms0) == 4;
+  std::fclose(f);
+  if (!ok || swizzle < 1 || swizzle > 64) return false;
+  for (int e = 0; e < tile_rs_menu_size(); ++e)
+    if (std::string(name) == tile_rs_entry_name(e)) {
+      c->entry = e, c->swizzle = swizzle, c->ms = ms, c->ms_default = ms0, c->timed = 0;
+      return true;
+    }
+  return false;
+}
+
+// First writer wins, every process adopts the file (runtime/gemm.h: publish_once).
+bool publish_choice(const std::string& path, const TileChoice& c) {
+  char text[128];
+  std::snprintf(text, sizeof(text), "%s %d %.6f %.6f\n", tile_rs_entry_name(c.entry), c.swizzle, c.ms,
+                c.ms_default);
+  return publish_once(path, text);
+}
+
+// Times the candidates as the fused kernel runs alone (mode 1: its GEMM, the foreign tiles'
+// stores into a staging buffer and the own tiles' adds of n - 1 slabs, no waits) on random
+// scratch operands on `stream` (stream-ordered allocations: only this stream is synchronised).
+std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileChoice* out) {
+  const int n = call.peers.n;
+  const int64_t rows = n * call.m;
+  const int64_t slot = tile_rs_slot_bytes(call.m, call.N);
+  const int64_t sizes[4] = {rows * call.K * 2, call.K * call.N * 2, call.m * call.N * 2,
+                            (n - 1) * slot};
+  char* buf[4] = {};
+  Flags* flags = nullptr;
+  cudaEvent_t ev[2] = {};
+  std::string note;
+  auto fail = [&](const char* what, cudaError_t e) {
+    cudaGetLastError();
+    if (note.empty()) note = std::string(what) + ": " + cudaGetErrorString(e);
+  };
+  for (int i = 0; i < 4 && note.empty(); ++i) {
+    if (cudaError_t e = cudaMallocAsync((void**)&buf[i], sizes[i], stream)) {
+      buf[i] = nullptr;
+      fail("scratch allocation for timing the tile kernels", e);
+    } else if (cudaError_t e = launch_fill_uniform(buf[i], sizes[i] / 2, FillType::kBF16,
+                                                   4321u + i, stream)) {
+      fail("filling scratch operands", e);
+    }
+  }
+  if (note.empty()) {
+    if (cudaError_t e = cudaMallocAsync((void**)&flags, sizeof(Flags), stream)) {
+      flags = nullptr;
+      fail("scratch allocation for timing the tile kernels", e);
+    } else if (cudaError_t e = cudaMemsetAsync(flags, 0, sizeof(Flags), stream)) {
+      fail("clearing scratch flags", e);
+    }
+  }
+  for (auto& e : ev)
+    if (note.empty())
+      if (cudaError_t err = cudaEventCreate(&e)) fail("cudaEventCreate", err);
+  TileRsArgs a = call;
+  a.x = buf[0], a.w = buf[1], a.out = buf[2];
+  for (int i = 0; i < n; ++i) a.peers.stage[i] = buf[3], a.peers.flags[i] = flags;
+  a.mode = 1;
+  a.err = nullptr;
+  auto time_one = [&](int entry, int swizzle) -> float {
+    a.entry = entry, a.swizzle = swizzle;
+    float best = std::numeric_limits<float>::infinity();
+    for (int pass = 0; pass < 3 && note.empty(); ++pass) {  // pass 0: load and warm up
+      if (pass > 0) cudaEventRecord(ev[0], stream);
+      bool ok = true;
+      for (int k = 0; k < (pass ? kTileReps : 1) && ok; ++k) {
+        ok = launch_tile_rs(a, stream) == cudaSuccess;
+        ok = ok && tile_rs_advance_epoch(flags, stream) == cudaSuccess;  // claims alternate per call
+      }
+      if (!ok) {
+        cudaGetLastError();
+        return best;  // an entry that cannot run this problem: +inf
+      }
+      if (pass == 0) continue;
+      cudaEventRecord(ev[1], stream);
+      float t = 0;
+      if (cudaError_t e = cudaEventSynchronize(ev[1]))
+        fail("timing the tile kernels", e);
+      else if (cudaEventElapsedTime(&t, ev[0], ev[1]) == cudaSuccess)
+        best = std::min(best, t / kTileReps);
+    }
+    return best;
+  };
+  if (note.empty()) {
+    // Every entry at the asked swizzle, then the bands of the two fastest; a candidate must beat
+    // the one kept by 1 % (noise), so the default stays unless another is clearly faster.
+    std::vector<float> ms(tile_rs_menu_size());
+    int first = 0, second = -1;
+    for (int e = 0; e < tile_rs_menu_size() && note.empty(); ++e) {
+      ms[e] = time_one(e, call.swizzle);
+      ++out->timed;
+      if (e == 0) continue;
+      if (ms[e] < 0.99f * ms[first]) second = first, first = e;
+      else if (second < 0 || ms[e] < ms[second]) second = e;
+    }
+    out->entry = first, out->swizzle = call.swizzle, out->ms = ms[first];
+    out->ms_default = ms[0];
+    for (int e : {first, second}) {
+      if (e < 0 || !note.empty()) continue;
+      for (int sw : {1, 2, 4, 8, 16}) {
+        if (sw == call.swizzle || !note.empty()) continue;
+        const float t = time_one(e, sw);
+        ++out->timed;
+        if (t < 0.99f * out->ms) out->entry = e, out->swizzle = sw, out->ms = t;
+      }
+    }
+    if (!(out->ms_default < std::numeric_limits<float>::infinity()) && note.empty())
+      note = "the default entry failed to run on scratch operands";
+  }
+  for (char* b : buf)
+    if (b) cudaFreeAsync(b, stream);
+  if (flags) cudaFreeAsync(flags, stream);
+  for (cudaEvent_t e : ev)
+    if (e) cudaEventDestroy(e);
+  cudaGetLastError();
+  return note;
+}
+
+}  // namespace
+
+std::string tile_rs_choose(const TileRsArgs& a, cudaStream_t stream, bool time_it, bool publish,
+                           const std::string& cache_dir, TileChoice* out) {
+  const std::string text = problem_text(a);
+  const std::pair<int, std::string> key{a.peers.device, text};
+  {
+    std::lock_guard<std::mutex> hold(g_mu);
+    auto it = g_choices.find(key);
+    if (it != g_choices.end()) {
+      *out = it->second;
+      return "";
+    }
+  }
+  TileChoice c;
+  c.entry = 0, c.swizzle = a.swizzle;
+  const std::string path = cache_path(cache_dir, text);
+  if (read_choice(path, &c)) {
+    c.note = "adopted " + path;
+  } else if (!time_it) {
+    *out = c;
+    out->note = "not timed (no stream to time on): the default entry, not remembered";
+    return "";
+  } else {
+    c.note = time_candidates(a, stream, &c);
+    if (!c.note.empty()) {
+      c = TileChoice{0, a.swizzle, 0, 0, c.timed, c.note};  // the default, not published
+    } else if (!publish) {
+      c.note = "timed, not published";
+    } else if (!path.empty() && !publish_choice(path, c)) {
+      TileChoice theirs;
+      if (read_choice(path, &theirs)) c = theirs, c.note = "another process chose first";
+    }
+  }
+  std::lock_guard<std::mutex> hold(g_mu);
+  *out = g_choices.emplace(key, c).first->second;
+  return "";
+}
+
+}  // namespace jaxoverlap
