@@ -4,6 +4,7 @@
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
 #                      [--layer] [--stress] [--gemm-probe] [--tile-probe] [--sanitize[=TOOLS]]
+#                      [--dw-probe] [--memory]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
@@ -12,6 +13,8 @@
 # GPU: two processes sharing it, 10 call sites, tools/stress_xproc.py).
 # --sanitize[=memcheck,racecheck,...]: also tools/sanitize.py (two processes, each under
 # compute-sanitizer, every fused op; default all four tools; GPU_CHECK_SANITIZE_MODE=ops|train).
+# --dw-probe: tools/probes/dw_layout_probe.py (the weight gradient's two layouts, one GPU).
+# --memory: device memory over fresh call sites and distinct batch sizes (two processes).
 # --gemm-probe: also tools/probes/gemm_search_probe.py (one GPU: the fused schedule's GEMM work
 # against XLA's GEMM, cuBLASLt's first choice vs the best of its candidates).
 # --tile-probe: also build/probes/tile_rs_probe (one GPU; built on the CPU machine by
@@ -40,6 +43,7 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
 BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0 SANITIZE=
+DW_PROBE=0 MEMORY=0
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -49,11 +53,13 @@ for a in "$@"; do
     --skip-cpu-tests) CPU_TESTS=0 ;;
     --layer) LAYER=1 ;;
     --stress) STRESS=1 ;;
+    --dw-probe) DW_PROBE=1 ;;
+    --memory) MEMORY=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
     --tile-probe) TILE_PROBE=1 ;;
     --sanitize) SANITIZE=memcheck,racecheck,synccheck,initcheck ;;
     --sanitize=*) SANITIZE=${a#--sanitize=} ;;
-    -h | --help) sed -n 2,26p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -118,11 +124,14 @@ if ((TESTS)); then
   else
     # One GPU: only what runs there -- two processes sharing it (tests/gpu/test_xproc_gpu.py:
     # every fused op and the training path with two ranks, time-sliced; no speed), the GEMM
-    # search, and the export's thread left without a CUDA context (test_device_context_gpu.py).
+    # search, the export's thread left without a CUDA context (test_device_context_gpu.py) and
+    # explain's verdicts against the compiled programs (test_explain_gpu.py). GPU_CHECK_TESTS_K=
+    # "not bitwise" adds the second set of shapes (test_ops_across_processes_other_shapes).
     echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
-    step gpu-tests-one-gpu 300 env JAXOVERLAP_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      "$PY" -m pytest tests/gpu/test_xproc_gpu.py tests/gpu/test_gemm_search_gpu.py \
-      tests/gpu/test_device_context_gpu.py -q -p no:cacheprovider -rA \
+    step gpu-tests-one-gpu "${GPU_CHECK_TESTS_S:-300}" env JAXOVERLAP_REQUIRE_GPU=1 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest tests/gpu/test_xproc_gpu.py \
+      tests/gpu/test_gemm_search_gpu.py tests/gpu/test_device_context_gpu.py \
+      tests/gpu/test_explain_gpu.py -q -p no:cacheprovider -rA \
       -k "${GPU_CHECK_TESTS_K:-not bitwise and not other_shapes}"
   fi
 fi
@@ -158,6 +167,15 @@ if ((NGPU < 2 && STRESS)); then
   # time-slice: endurance and correctness, no speed).
   step stress-xproc 420 "$PY" tools/stress.py --processes 2 --deadline-s 400
   STRESS=0
+fi
+if ((DW_PROBE)); then
+  # One GPU: the weight gradient's two layouts of the same dot, precision and time (issue 27).
+  step dw-probe 120 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" tools/probes/dw_layout_probe.py
+fi
+if ((MEMORY)); then
+  # Device memory as call sites multiply (two processes; tools/stress_xproc.py memory_worker).
+  step memory 240 "$PY" tools/stress.py --processes 2 --memory "${GPU_CHECK_MEMORY:-200,100}" \
+    --deadline-s 230
 fi
 if [[ -n $SANITIZE ]]; then
   step sanitize 560 "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
