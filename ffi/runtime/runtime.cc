@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -74,10 +75,10 @@ const char* op_name(int op) {
 
 }  // namespace
 
-void* driver_entry(const char* name) {
+void* driver_entry(const char* name, int version) {
   cudaDriverEntryPointQueryResult q;
   void* p = nullptr;
-  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 13000, cudaEnableDefault, &q);
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q);
   if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
     cudaGetLastError();
     return nullptr;
@@ -87,17 +88,20 @@ void* driver_entry(const char* name) {
 
 namespace {
 
+// Each entry point asked for by the version of the signature it is called with: the newest
+// version of a name can take other arguments (CUDA 13.0's cuCtxGetDevice takes a context too;
+// calling it with the old signature crashed every process in the first one-GPU run of this code).
 struct ContextApi {
-  decltype(&cuCtxGetCurrent) get = nullptr;
-  decltype(&cuCtxSetCurrent) set = nullptr;
-  decltype(&cuCtxGetDevice) device = nullptr;
+  PFN_cuCtxGetCurrent_v4000 get = nullptr;
+  PFN_cuCtxSetCurrent_v4000 set = nullptr;
+  PFN_cuCtxGetDevice_v2000 device = nullptr;
 };
 const ContextApi& context_api() {
   static const ContextApi api = [] {
     ContextApi a;
-    a.get = reinterpret_cast<decltype(a.get)>(driver_entry("cuCtxGetCurrent"));
-    a.set = reinterpret_cast<decltype(a.set)>(driver_entry("cuCtxSetCurrent"));
-    a.device = reinterpret_cast<decltype(a.device)>(driver_entry("cuCtxGetDevice"));
+    a.get = reinterpret_cast<decltype(a.get)>(driver_entry("cuCtxGetCurrent", 4000));
+    a.set = reinterpret_cast<decltype(a.set)>(driver_entry("cuCtxSetCurrent", 4000));
+    a.device = reinterpret_cast<decltype(a.device)>(driver_entry("cuCtxGetDevice", 2000));
     if (!a.get || !a.set || !a.device) a = ContextApi{};
     return a;
   }();
