@@ -76,7 +76,7 @@ def test_shapes_of_finds_the_ops_of_an_overlapped_model():
 def test_cli_tunes_the_op_it_is_given(cache, capsys, monkeypatch):
     seen = []
 
-    def fake_tune_op(op, m, k, n, group, dtype, samples):
+    def fake_tune_op(op, m, k, n, group, dtype, samples, timeout_s):
         seen.append((op, m, k, n, group, dtype, samples))
         return KEY, dict(choice="xla", chunks=1, comm_sms=None, ms_xla=1.0, ms_fused=1.1, spread=0)
 
@@ -106,17 +106,31 @@ def test_tuning_needs_gpus():
         tune.tune_op("matmul_reduce_scatter", 4096, 4096, 4096, 2)
 
 
-def test_copy_engine_candidates_only_once_new_kernels_are_allowed(monkeypatch):
+@pytest.mark.parametrize("opted_in", [False, True])
+def test_the_tuner_tries_every_kernel_opted_in_or_not(monkeypatch, opted_in):
+    """Every kernel of the one-GPU suite is a candidate whether or not untuned auto may take it
+    yet: the copy engine and the tile schedule for the reduce-scatter, the SM schedules for the
+    all-reduce and the last-dimension scatter, the row gather and its keep variant by chunks, the
+    all-gather along K and the column-parallel backward (copy engine, one chunk)."""
     from jaxoverlap import fused
 
-    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", False)
-    assert all(sms != 0 for _, sms in tune.candidates("matmul_reduce_scatter"))
-    assert tune.TILE not in tune.candidates("matmul_reduce_scatter")
-    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)
-    assert (2, 0) in tune.candidates("matmul_reduce_scatter")
-    assert tune.TILE in tune.candidates("matmul_reduce_scatter")
-    assert all(sms != 0 for _, sms in tune.candidates("matmul_all_reduce"))  # no CE handler
-    assert tune.TILE not in tune.candidates("matmul_all_reduce")
+    monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", opted_in)
+    rs = tune.candidates("matmul_reduce_scatter")
+    assert (2, 0) in rs and (4, 0) in rs and tune.TILE in rs and (2, 4) in rs
+    for op in ("matmul_all_reduce", fused.policy.LAST_DIM):  # no CE handler, no tile
+        assert tune.candidates(op) == tune.RS_CANDIDATES
+    assert tune.candidates(fused.policy.KEEP) == tune.candidates("all_gather_matmul")
+    assert tune.candidates(fused.policy.ALONG_K) == tune.candidates(fused.policy.BACKWARD)
+    assert tune.candidates(fused.policy.BACKWARD) == ((1, 0),)
+    assert set(tune.OPS) == {
+        "matmul_reduce_scatter",
+        "matmul_all_reduce",
+        "all_gather_matmul",
+        "matmul_reduce_scatter_last_dim",
+        "all_gather_matmul_along_k",
+        "all_gather_matmul_keep",
+        "all_gather_matmul_backward",
+    }
 
 
 def test_decide_records_the_tile_schedule():

@@ -29,6 +29,7 @@ aligned).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -47,8 +48,17 @@ def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=
     all_gather_matmul's variant that also returns the gathered x (the training path's forward),
     which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
     allowed."""
+    config = params["config"]
+    if keep_gathered and config.backend == "auto":
+        rows = policy._rows(x.shape) * int(axis_size)  # the key counts gathered rows
+        entry = policy.measured(policy.KEEP, rows, x.shape[-1], w.shape[1], x.dtype, int(axis_size))
+        if entry is not None:  # measured here: the checks, then what won (over any rule)
+            fused = {**params, "config": dataclasses.replace(config, backend="fused")}
+            why = _unsupported_reason(op, x, w, fused, axis_size, target)
+            shape = f"M={rows} K={x.shape[-1]} N={w.shape[1]} over {axis_size} GPUs"
+            return why or policy.entry_reason(entry, shape)
     why = _unsupported_reason(op, x, w, params, axis_size, target)
-    if why is None and keep_gathered and params["config"].backend == "auto":
+    if why is None and keep_gathered and config.backend == "auto":
         why = policy.new_kernels_reason()
     return why
 
