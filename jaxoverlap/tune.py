@@ -395,7 +395,9 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
                     if hasattr(sub, "eqns"):
                         visit(sub, inner)
 
-    visit(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr, {})
+    with policy.every_kernel():  # the ops auto could fuse once measured, the backward too
+        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+    visit(jaxpr, {})
     return found
 
 

@@ -49,18 +49,16 @@ def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=
     which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
     allowed."""
     config = params["config"]
-    if keep_gathered and config.backend == "auto":
-        rows = policy._rows(x.shape) * int(axis_size)  # the key counts gathered rows
-        entry = policy.measured(policy.KEEP, rows, x.shape[-1], w.shape[1], x.dtype, int(axis_size))
-        if entry is not None:  # measured here: the checks, then what won (over any rule)
-            fused = {**params, "config": dataclasses.replace(config, backend="fused")}
-            why = _unsupported_reason(op, x, w, fused, axis_size, target)
-            shape = f"M={rows} K={x.shape[-1]} N={w.shape[1]} over {axis_size} GPUs"
-            return why or policy.entry_reason(entry, shape)
-    why = _unsupported_reason(op, x, w, params, axis_size, target)
-    if why is None and keep_gathered and config.backend == "auto":
-        why = policy.new_kernels_reason()
-    return why
+    if not (keep_gathered and config.backend == "auto"):
+        return _unsupported_reason(op, x, w, params, axis_size, target)
+    fused = {**params, "config": dataclasses.replace(config, backend="fused")}
+    if why := _unsupported_reason(op, x, w, fused, axis_size, target):  # cannot run here
+        return why
+    n, rows = int(axis_size), policy._rows(x.shape) * int(axis_size)  # gathered rows
+    entry = policy.measured(policy.KEEP, rows, x.shape[-1], w.shape[1], x.dtype, n, target)
+    if entry is not None:  # this machine's tuner measured the variant: what won, over any rule
+        return policy.entry_reason(entry, f"M={rows} K={x.shape[-1]} N={w.shape[1]} over {n} GPUs")
+    return policy.new_kernels_reason() or _unsupported_reason(op, x, w, params, axis_size, target)
 
 
 def _unsupported_reason(op, x, w, params, axis_size, target):

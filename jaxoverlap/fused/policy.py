@@ -13,6 +13,8 @@ tries every kernel, measured one faster for the shape (`measured`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 
@@ -181,6 +183,21 @@ KEEP = "all_gather_matmul_keep"
 BACKWARD = "all_gather_matmul_backward"
 
 
+_every_kernel = contextvars.ContextVar("every_kernel", default=False)
+
+
+@contextlib.contextmanager
+def every_kernel():
+    """Inside this block auto's trace-time choices take every kernel (the tuner traces a function
+    so to find each op it could fuse: the column-parallel backward, which untuned auto leaves
+    out, is then in the jaxpr)."""
+    token = _every_kernel.set(True)
+    try:
+        yield
+    finally:
+        _every_kernel.reset(token)
+
+
 def measured(op, m, k, n_cols, dtype, n, target=None):
     """The tuner's entry for ``op`` and this shape if a tuner that tries every kernel wrote it
     (values checked, each candidate bounded), else None. Arguments as `tuned`'s."""
@@ -191,14 +208,15 @@ def measured(op, m, k, n_cols, dtype, n, target=None):
 def new_kernels_reason(entry=None):
     """None if backend="auto" may take the kernels that have not run on GPUs yet (above): opted
     in, or ``entry`` (the tuner's for the call's shape) measured one of them faster here."""
-    if AUTO_NEW_KERNELS:
+    if AUTO_NEW_KERNELS or _every_kernel.get():
         return None
     if entry is not None and entry.get(NEW_KERNELS_FIELD) and entry.get("choice") == "fused":
         return None
     return (
         "backend='auto': this fused kernel has not been measured on two GPUs yet (it ran "
         "correct only with two processes sharing one GPU); backend='fused' runs it "
-        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it)"
+        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it; `python -m jaxoverlap.tune` on "
+        "this machine's GPUs measures it, and auto then takes it where it won)"
     )
 
 
