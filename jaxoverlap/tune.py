@@ -1,19 +1,34 @@
 """Tuning by measurement: which path and which settings each fused op takes, per shape.
 
 For a key (device kind, op, per-device shape, dtype, group size) the tuner times XLA's own path
-and every candidate setting of the fused kernel on the real GPUs, side by side (round-robin
-samples, medians), checks each fused result against XLA's, and records the outcome in a JSON
-cache on disk. ``backend="auto"`` then takes the fused path exactly where the recorded
-measurement beat XLA by more than the noise (the larger spread of the two, at least 2 %), with
-the fastest setting; where nothing is recorded it uses a conservative rule (`fused.policy`)
-and says so once in the log.
+and every candidate setting of every fused kernel that passes the one-GPU suite on the real GPUs,
+side by side (round-robin samples, medians), and records the outcome in a JSON cache on disk.
+Each candidate's values are checked against XLA's result first (beyond the dtype's tolerance:
+recorded in the entry's ``failed`` and never chosen), and each is bounded by a short timeout
+(``--timeout``, 5 s: the kernels' cross-GPU waits through ``Config(timeout_s=)``, the call by a
+wall clock; past it: recorded as failed, and the tuning moves on). ``backend="auto"`` then takes
+the fused path exactly where the recorded measurement beat XLA by more than the noise (the larger
+spread of the two, at least 2 %), with the fastest setting -- also for the kernels not yet
+measured on two GPUs, which untuned auto leaves out (`fused.policy.new_kernels_reason`): an entry
+of this tuner (marked ``new_kernels``) that names one lets auto take it for that shape on this
+machine. Where nothing is recorded auto uses a conservative rule (`fused.policy`) and says so
+once in the log.
 
-    python -m jaxoverlap.tune --shapes 8192x4096x8192,4096x14336x4096 --tp 2
+What is tried (`candidates`; ``--candidates`` prints it), per op (`OPS`; each its own entry):
+matmul_reduce_scatter over rows -- chunks x comm SMs, the copy engine (comm_sms=0), the tile
+schedule; matmul_all_reduce and the last-dimension scatter (``matmul_reduce_scatter_last_dim``)
+-- chunks x comm SMs; all_gather_matmul over rows and its variant that keeps the gathered x
+(``all_gather_matmul_keep``: a trained weight's forward, several weights) -- chunks; the
+all-gather along K (``all_gather_matmul_along_k``) and the column-parallel backward
+(``all_gather_matmul_backward``) -- their one schedule.
+
+    python -m jaxoverlap.tune --op all --shapes 8192x4096x8192,4096x14336x4096 --tp 2
     python -m jaxoverlap.tune --op all_gather_matmul --shapes 8192x8192x4096
     python -m jaxoverlap.tune --list            # what the cache holds
 
 From Python, ``jaxoverlap.tune.tune_function(fn, *args)`` tunes every jaxoverlap op that
-``fn`` (e.g. an ``overlap``-ed train step) contains.
+``fn`` (e.g. an ``overlap``-ed train step; under ``jax.grad`` also the keep variant and the
+column-parallel backward) contains.
 
 The cache lives in ``$XDG_CACHE_HOME/jaxoverlap`` (default ``~/.cache/jaxoverlap``), one file
 per fingerprint of what the timings depend on (jaxlib version, the native extension's build,

@@ -111,6 +111,9 @@ def _unsupported_reason(op, x, w, params, axis_size, target):
             return why
         if config.backend != "auto":
             return None
+        entry = policy.measured(op, m_total, k, n_cols, x.dtype, n, target)
+        if entry is not None and entry.get("schedule") == "tile":  # measured here: it won
+            return None
         return policy.new_kernels_reason() or policy._auto_reason(
             op, m_total, k, n_cols, x.dtype, n, target
         )

@@ -3,7 +3,7 @@ choice. Decisions only -- no custom call is built here (`jaxoverlap.fused.call`)
 schedule serves a call is `jaxoverlap.fused.dispatch`'s. The same functions answer at trace time
 (`dispatch.unsupported_reason`, which the ops' lowering and ``explain`` ask), at lowering (the
 settings: `rows_setting`, `ag_rows_chunks`, `tuned_setting`) and in the tuner (`choose_chunks`,
-`AUTO_NEW_KERNELS`), so the three never disagree.
+the variants' tuning keys `LAST_DIM` ...), so the three never disagree.
 
 What ``backend="auto"`` may pick: the kernels measured on two GPUs, by the tuner's entry for the
 op and shape, else by the conservative rules below; the kernels not yet measured there only with
