@@ -196,7 +196,7 @@ def _problem(op, m, k, n, group):
 
     def prim(p, **dims):  # a variant bound as its op binds it (per-device operands)
         return lambda config: (
-            lambda *a: p.bind(*a, axis_name=row, config=config, w_colmajor=False, **dims)
+            lambda *a: tuple(p.bind(*a, axis_name=row, config=config, w_colmajor=False, **dims))
         )
 
     def public(fn, **dims):

@@ -413,3 +413,15 @@ def test_shapes_of_finds_the_held_back_variants_of_a_trained_layer():
     assert ("all_gather_matmul_backward", 64, 32, 48, "bfloat16", 2) in found
     assert ("matmul_reduce_scatter_last_dim", 64, 48, 64, "bfloat16", 2) in found
     assert ("all_gather_matmul_along_k", 64, 64, 8, "bfloat16", 2) in found
+
+
+@pytest.mark.parametrize("op", tune.OPS)
+def test_every_op_the_tuner_times_runs_on_fake_devices(cache, monkeypatch, op):
+    """tune_op end to end on 2 fake CPU devices for every op and variant (timing faked): its
+    operands, specs and XLA's path run; every fused candidate is refused here (no GPU), so
+    none is timed or recorded as failed and the entry says XLA."""
+    monkeypatch.setattr(tune, "_gpus", lambda group: jax.devices()[:group])
+    monkeypatch.setattr(tune, "_time", lambda fns, samples, ms: {c: (1.0, 1.0, 1.0) for c in fns})
+    key, e = tune.tune_op(op, 512, 256, 256, 2)
+    assert key.op == op and tune.lookup(key) == e
+    assert e["choice"] == "xla" and e["candidates"] == {} and e["failed"] == {}
