@@ -1,19 +1,34 @@
 """Tuning by measurement: which path and which settings each fused op takes, per shape.
 
 For a key (device kind, op, per-device shape, dtype, group size) the tuner times XLA's own path
-and every candidate setting of the fused kernel on the real GPUs, side by side (round-robin
-samples, medians), checks each fused result against XLA's, and records the outcome in a JSON
-cache on disk. ``backend="auto"`` then takes the fused path exactly where the recorded
-measurement beat XLA by more than the noise (the larger spread of the two, at least 2 %), with
-the fastest setting; where nothing is recorded it uses a conservative rule (`fused.policy`)
-and says so once in the log.
+and every candidate setting of every fused kernel that passes the one-GPU suite on the real GPUs,
+side by side (round-robin samples, medians), and records the outcome in a JSON cache on disk.
+Each candidate's values are checked against XLA's result first (beyond the dtype's tolerance:
+recorded in the entry's ``failed`` and never chosen), and each is bounded by a short timeout
+(``--timeout``, 5 s: the kernels' cross-GPU waits through ``Config(timeout_s=)``, the call by a
+wall clock; past it: recorded as failed, and the tuning moves on). ``backend="auto"`` then takes
+the fused path exactly where the recorded measurement beat XLA by more than the noise (the larger
+spread of the two, at least 2 %), with the fastest setting -- also for the kernels not yet
+measured on two GPUs, which untuned auto leaves out (`fused.policy.new_kernels_reason`): an entry
+of this tuner (marked ``new_kernels``) that names one lets auto take it for that shape on this
+machine. Where nothing is recorded auto uses a conservative rule (`fused.policy`) and says so
+once in the log.
 
-    python -m jaxoverlap.tune --shapes 8192x4096x8192,4096x14336x4096 --tp 2
+What is tried (`candidates`; ``--candidates`` prints it), per op (`OPS`; each its own entry):
+matmul_reduce_scatter over rows -- chunks x comm SMs, the copy engine (comm_sms=0), the tile
+schedule; matmul_all_reduce and the last-dimension scatter (``matmul_reduce_scatter_last_dim``)
+-- chunks x comm SMs; all_gather_matmul over rows and its variant that keeps the gathered x
+(``all_gather_matmul_keep``: a trained weight's forward, several weights) -- chunks; the
+all-gather along K (``all_gather_matmul_along_k``) and the column-parallel backward
+(``all_gather_matmul_backward``) -- their one schedule.
+
+    python -m jaxoverlap.tune --op all --shapes 8192x4096x8192,4096x14336x4096 --tp 2
     python -m jaxoverlap.tune --op all_gather_matmul --shapes 8192x8192x4096
     python -m jaxoverlap.tune --list            # what the cache holds
 
 From Python, ``jaxoverlap.tune.tune_function(fn, *args)`` tunes every jaxoverlap op that
-``fn`` (e.g. an ``overlap``-ed train step) contains.
+``fn`` (e.g. an ``overlap``-ed train step; under ``jax.grad`` also the keep variant and the
+column-parallel backward) contains.
 
 The cache lives in ``$XDG_CACHE_HOME/jaxoverlap`` (default ``~/.cache/jaxoverlap``), one file
 per fingerprint of what the timings depend on (jaxlib version, the native extension's build,
@@ -30,6 +45,7 @@ import logging
 import math
 import statistics
 import sys
+import threading
 import time
 
 import jax
@@ -39,7 +55,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap.fused import policy
+from jaxoverlap import runtime
+from jaxoverlap.fused import last_dim, policy
 from jaxoverlap.fused.cache import (  # noqa: F401  (re-exported: the cache, as before the split)
     CACHE_VERSION,
     Key,
@@ -48,6 +65,7 @@ from jaxoverlap.fused.cache import (  # noqa: F401  (re-exported: the cache, as 
     lookup,
     record,
 )
+from jaxoverlap.ops import primitives
 from jaxoverlap.runtime import cache_dir, fingerprint  # noqa: F401  (re-exported, as above)
 
 log = logging.getLogger("jaxoverlap")
@@ -63,6 +81,11 @@ TILE = "tile"
 
 
 # ----------------------------------------------------------------------------- decisions
+
+
+def _name(cand):
+    """A candidate as the entry names it: "tile", or "<chunks>x<comm_sms>"."""
+    return cand if cand == TILE else f"{cand[0]}x{cand[1]}"
 
 
 def faster(t, ref) -> bool:
@@ -81,7 +104,6 @@ def decide(times: dict) -> dict:
     win = best is not None and faster(fused[best], x)
     iqr = lambda t: (t[2] - t[1]) / t[0]  # noqa: E731
     tile = best == TILE
-    name = lambda c: c if c == TILE else f"{c[0]}x{c[1]}"  # noqa: E731
     return dict(
         choice="fused" if win else "xla",
         chunks=(1 if tile else best[0]) if best else None,
@@ -90,7 +112,7 @@ def decide(times: dict) -> dict:
         ms_xla=x[0],
         ms_fused=fused[best][0] if best else None,
         spread=max([iqr(x)] + ([iqr(fused[best])] if best else [])),
-        candidates={name(c): t[0] for c, t in fused.items()},
+        candidates={_name(c): t[0] for c, t in fused.items()},
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 
@@ -126,75 +148,215 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
     return out
 
 
-OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
+# The ops and variants the tuner measures, each under its own `Key` op (`fused.policy`: the
+# variants held back from untuned auto until measured on two GPUs have their own entries, which
+# let auto take them on this machine). The copy engine and the tile schedule are candidates of
+# matmul_reduce_scatter's entry.
+OPS = (
+    "matmul_reduce_scatter",
+    "all_gather_matmul",
+    "matmul_all_reduce",
+    policy.LAST_DIM,
+    policy.ALONG_K,
+    policy.KEEP,
+    policy.BACKWARD,
+)
+# Relative error (to the largest |value| of XLA's result) a fused candidate may differ by.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2}
+CANDIDATE_TIMEOUT_S = 5.0  # each candidate's calls; Config(timeout_s=) bounds its waits too
+WARMUP_LIMIT_S = 120.0  # the first call (the handler's GEMM plan search), still bounded
 
 
 def candidates(op):
-    """The fused settings tried for ``op``: (chunks, comm_sms) -- comm_sms None = not used --
-    or `TILE`, the tile schedule."""
+    """The fused settings tried for ``op``: (chunks, comm_sms) -- comm_sms None = not used, 0 =
+    the copy engine -- or `TILE`, the tile schedule. Every kernel of the one-GPU suite, whether
+    or not untuned auto may take it yet (`fused.policy.new_kernels_reason`)."""
     if op == "matmul_reduce_scatter":
-        new = RS_CE_CANDIDATES + (TILE,) if policy.AUTO_NEW_KERNELS else ()
-        return RS_CANDIDATES + new
-    if op != "all_gather_matmul":  # the all-reduce runs the reduce-scatter's SM schedule
+        return RS_CANDIDATES + RS_CE_CANDIDATES + (TILE,)
+    if op in ("matmul_all_reduce", policy.LAST_DIM):  # SM schedules only: no CE handler
         return RS_CANDIDATES
-    return tuple((c, None) for c in (1, 2, 4))
+    if op in (policy.ALONG_K, policy.BACKWARD):  # one schedule: copy engine, one chunk
+        return ((1, 0),)
+    return tuple((c, None) for c in (1, 2, 4))  # the all-gather over rows, and its keep variant
 
 
-def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, save=True):
-    """Tunes ``op`` on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter and
-    matmul_all_reduce x [m, k] and w [k, n] per device; all_gather_matmul m gathered rows,
-    x [m / group, k], w [k, n] per device."""
-    if op not in OPS:
-        raise ValueError(f"jaxoverlap.tune: op must be one of {OPS}, not {op!r}")
+def _aligned_candidate(op, cand, m, k, n, group):
+    """False where ``cand``'s chunks do not split this shape (the tuner skips it)."""
+    if cand == TILE or op in (policy.ALONG_K, policy.BACKWARD):
+        return True
+    if op == policy.LAST_DIM:  # the transposed problem: N / group rows per rank, K, M columns
+        return last_dim.choose_chunks(n // group, k, m, cand[0]) == cand[0]
+    return policy.choose_chunks(m // group, k, n, cand[0]) == cand[0]
+
+
+def _problem(op, m, k, n, group):
+    """``(global operand shapes, in_specs, out_specs, body(config) -> fn of the per-device
+    operands)`` of ``op`` at the `Key` shape (m, k, n) over ``group`` GPUs."""
+    row = ("tp",)
+
+    def prim(p, **dims):  # a variant bound as its op binds it (per-device operands)
+        return lambda config: (
+            lambda *a: tuple(p.bind(*a, axis_name=row, config=config, w_colmajor=False, **dims))
+        )
+
+    def public(fn, **dims):
+        return lambda config: lambda x, w: fn(x, w, "tp", config=config, **dims)
+
+    rs = ((m, k * group), (k * group, n)), (P(None, "tp"), P("tp", None))
+    ag = ((m, k), (k, n * group)), (P("tp", None), P(None, "tp"))
+    table = {
+        "matmul_reduce_scatter": (*rs, P("tp", None), public(jaxoverlap.matmul_reduce_scatter)),
+        "matmul_all_reduce": (*rs, P(), public(jaxoverlap.matmul_all_reduce)),
+        "all_gather_matmul": (*ag, P(None, "tp"), public(jaxoverlap.all_gather_matmul)),
+        policy.LAST_DIM: (
+            *rs,
+            P(None, "tp"),
+            public(jaxoverlap.matmul_reduce_scatter, scatter_dimension=1),
+        ),
+        policy.ALONG_K: (
+            ((m, k), (k, n * group)),
+            (P(None, "tp"), P(None, "tp")),
+            P(None, "tp"),
+            public(jaxoverlap.all_gather_matmul, gather_dimension=1),
+        ),
+        # (out, the gathered x): one copy of x per rank, stacked
+        policy.KEEP: (
+            *ag,
+            (P(None, "tp"), P("tp")),
+            prim(primitives.all_gather_matmul_keep_p, gather_dimension=0),
+        ),
+        # ct [m, n] and g [m, k] per rank (stacked), w.T [n, k]: (dx [m / group, k], dW [k, n])
+        policy.BACKWARD: (
+            ((m, n * group), (n * group, k), (m * group, k)),
+            (P(None, "tp"), P("tp", None), P("tp", None)),
+            (P("tp", None), P(None, "tp")),
+            prim(primitives.dgrad_rs_wgrad_p, scatter_dimension=0),
+        ),
+    }
+    return table[op]
+
+
+def _bounded_call(fn, args, limit):
+    """``fn(*args)`` run to completion in a thread for at most ``limit`` seconds: ``({"out": ...}
+    or {"error": ...}, seconds)``, or ``(None, limit)`` if it is still running (left behind)."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = jax.block_until_ready(fn(*args))
+        except Exception as e:  # noqa: BLE001  (a failed call is a failed candidate)
+            box["error"] = e
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return None, limit
+    return box, time.perf_counter() - t0
+
+
+def _check(fn, args, want, dtype, limit_s):
+    """Runs the compiled candidate ``fn`` and compares it with XLA's ``want``: None if right,
+    else why it is not used. Each call runs in a thread bounded by a wall-clock limit (the first,
+    which searches GEMM plans, by `WARMUP_LIMIT_S`; the second by ``limit_s``); the kernels'
+    cross-GPU waits are bounded by the same ``limit_s`` (Config(timeout_s=)), so a candidate that
+    stalls gives up, and one still running past the limit is abandoned (its thread left
+    behind)."""
+    for limit in (max(WARMUP_LIMIT_S, limit_s), limit_s):
+        box, took = _bounded_call(fn, args, limit)
+        if box is None:
+            return f"timeout: no result within {limit:g} s (abandoned)"
+        try:
+            runtime.check_errors()  # a wait that gave up (NaN outputs) raises here
+        except runtime.FusedCallError as e:
+            return f"failed: {e}"
+        if "error" in box:
+            return f"failed: {type(box['error']).__name__}: {box['error']}"
+        if took > limit:
+            return f"timeout: {took:.1f} s > {limit:g} s"
+    got = jax.tree.leaves(box["out"])
+    worst = 0.0
+    for g, wnt in zip(got, want, strict=True):
+        g = np.asarray(g.astype(jnp.float32))
+        scale = max(float(np.abs(wnt).max()), 1e-6)
+        err = float(np.abs(g - wnt).max()) / scale if g.size else 0.0
+        worst = max(worst, err if np.isfinite(err) else np.inf)
+    if worst > TOLERANCE[str(np.dtype(dtype))]:
+        return f"wrong values: relative error {worst:.3g} vs XLA's path"
+    return None
+
+
+def _gpus(group):
+    """The first ``group`` GPUs, or RuntimeError."""
     devices = jax.devices()
     if devices[0].platform != "gpu" or len(devices) < group:
         raise RuntimeError(f"jaxoverlap.tune: needs {group} GPUs, found {devices}")
-    mesh = Mesh(np.array(devices[:group]), ("tp",))
+    return devices[:group]
+
+
+def tune_op(
+    op,
+    m,
+    k,
+    n,
+    group,
+    dtype="bfloat16",
+    *,
+    samples=9,
+    target_ms=40.0,
+    save=True,
+    timeout_s=CANDIDATE_TIMEOUT_S,
+):
+    """Tunes ``op`` (one of `OPS`) on ``group`` GPUs. Shapes as in `Key`: matmul_reduce_scatter,
+    matmul_all_reduce and the last-dimension scatter x [m, k] and w [k, n] per device;
+    all_gather_matmul and its keep variant m gathered rows, x [m / group, k], w [k, n] per
+    device; along K x [m, k / group], w [k, n]; the column-parallel backward its forward's
+    shape (ct [m, n], w [k, n]). Every candidate's values are checked against XLA's path and
+    each candidate is bounded by ``timeout_s``; one that fails either is recorded in the entry's
+    ``failed`` and never chosen."""
+    if op not in OPS:
+        raise ValueError(f"jaxoverlap.tune: op must be one of {OPS}, not {op!r}")
+    devices = _gpus(group)
+    mesh = Mesh(np.array(devices), ("tp",))
     dt = jnp.dtype(dtype)
-    rs = op != "all_gather_matmul"
-    # Global operands: RS and AR contract a K split over the group; AG gathers rows, splits N.
-    xg, wg = ((m, k * group), (k * group, n)) if rs else ((m, k), (k, n * group))
-    specs = {
-        "matmul_reduce_scatter": (P(None, "tp"), P("tp", None), P("tp", None)),
-        "matmul_all_reduce": (P(None, "tp"), P("tp", None), P()),
-        "all_gather_matmul": (P("tp", None), P(None, "tp"), P(None, "tp")),
-    }[op]
-    kx, kw = jax.random.split(jax.random.key(m * 7 + k * 3 + n))
-    x = jax.random.normal(kx, xg, jnp.float32).astype(dt)
-    w = (jax.random.normal(kw, wg, jnp.float32) / np.sqrt(wg[0])).astype(dt)
-    x = jax.device_put(x, NamedSharding(mesh, specs[0]))
-    w = jax.device_put(w, NamedSharding(mesh, specs[1]))
-    fn_op = getattr(jaxoverlap, op)
+    shapes, in_specs, out_specs, body = _problem(op, m, k, n, group)
+    keys = jax.random.split(jax.random.key(m * 7 + k * 3 + n), len(shapes))
+    args = []
+    for key_, shape, spec in zip(keys, shapes, in_specs, strict=True):
+        a = jax.random.normal(key_, shape, jnp.float32) / np.sqrt(shape[0] if args else 1)
+        args.append(jax.device_put(a.astype(dt), NamedSharding(mesh, spec)))
 
     def make(config):
-        body = lambda x, w: fn_op(x, w, "tp", config=config)  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2]))
+        fn = jax.shard_map(body(config), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.jit(fn)
 
-    fns = {"xla": (make(jaxoverlap.Config(backend="xla")), (x, w))}
-    want = np.asarray(fns["xla"][0](x, w).astype(jnp.float32))
-    scale = max(float(np.abs(want).max()), 1e-6)
-    block = m // group  # rows of one rank's block (RS: scattered; AG: gathered)
+    fns = {"xla": (make(jaxoverlap.Config(backend="xla")), args)}
+    want = [np.asarray(v.astype(jnp.float32)) for v in jax.tree.leaves(fns["xla"][0](*args))]
+    failed = {}
     for cand in candidates(op):
-        if cand == TILE:
-            config = jaxoverlap.Config(backend="fused", schedule=TILE)
-        elif policy.choose_chunks(block, k, n, cand[0]) != cand[0]:
+        if not _aligned_candidate(op, cand, m, k, n, group):
             continue  # this split is not aligned for the shape
-        else:
-            config = jaxoverlap.Config(backend="fused", chunks=cand[0], comm_sms=cand[1])
+        extra = dict(schedule=TILE) if cand == TILE else dict(chunks=cand[0], comm_sms=cand[1])
+        config = jaxoverlap.Config(backend="fused", timeout_s=timeout_s, **extra)
         fn = make(config)
         try:
-            got = np.asarray(fn(x, w).astype(jnp.float32))
+            fn = fn.lower(*args).compile()
         except ValueError as e:  # backend="fused" refused: the reason says why (dtype, ...)
             log.info("jaxoverlap.tune: %s %dx%dx%d %s not fusable: %s", op, m, k, n, cand, e)
             continue
-        err = float(np.abs(got - want).max()) / scale
-        if err > 2e-2:
-            raise RuntimeError(
-                f"jaxoverlap.tune: fused {op} {m}x{k}x{n} {cand} differs from XLA's result "
-                f"(relative error {err:.3g})"
-            )
-        fns[cand] = (fn, (x, w))
+        except Exception as e:  # noqa: BLE001  (did not compile: a failed candidate)
+            why = f"failed to compile: {type(e).__name__}: {e}"
+        else:
+            why = _check(fn, args, want, dt, timeout_s)
+        if why is not None:
+            log.warning("jaxoverlap.tune: %s %dx%dx%d %s: %s", op, m, k, n, _name(cand), why)
+            failed[_name(cand)] = why
+            continue
+        fns[cand] = (fn, args)
     entry = decide(_time(fns, samples, target_ms))
+    entry[policy.NEW_KERNELS_FIELD] = True  # every kernel tried (auto may take what won)
+    entry["failed"] = failed
     key = Key(op, m, k, n, str(dt), group, devices[0].device_kind)
     if save:
         record(key, entry)
@@ -204,12 +366,34 @@ def tune_op(op, m, k, n, group, dtype="bfloat16", *, samples=9, target_ms=40.0, 
 # ----------------------------------------------------------------------------- models
 
 
+def _key_of(eqn, sizes):
+    """``(op, m, k, n, dtype, group)`` as `Key` counts the jaxoverlap op of ``eqn`` (`OPS`: the
+    variants by their own op), or None."""
+    name = eqn.primitive.name
+    if name not in (*OPS[:3], policy.KEEP, policy.BACKWARD):
+        return None
+    x, w = (v.aval for v in eqn.invars[:2])
+    group = math.prod(sizes.get(a, 1) for a in eqn.params["axis_name"])
+    m, dtype = math.prod(x.shape[:-1]), str(x.dtype)
+    if name == policy.BACKWARD:  # ct [..., n] and w.T [n, k]: the forward's shape
+        return (name, m, w.shape[1], w.shape[0], dtype, group)
+    last = x.ndim - 1
+    if name == "matmul_reduce_scatter" and eqn.params["scatter_dimension"] == last:
+        name = policy.LAST_DIM
+    elif name == "all_gather_matmul" and eqn.params["gather_dimension"] == last:
+        return (policy.ALONG_K, m, w.shape[0], w.shape[1], dtype, group)
+    elif name == policy.KEEP and eqn.params["gather_dimension"] == last:
+        return None  # not fused along K (the forward keeps XLA's gather)
+    elif name in ("all_gather_matmul", policy.KEEP):
+        m *= group  # the key counts gathered rows
+    return (name, m, x.shape[-1], w.shape[1], dtype, group)
+
+
 def shapes_of(fn, *args, **kwargs) -> list[tuple]:
     """The distinct (op, m, k, n, dtype, group) of the jaxoverlap ops in ``fn``'s jaxpr (at any
-    depth), shaped as `Key` counts them."""
-    names = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
+    depth), shaped as `Key` counts them: under autodiff also the all-gather's variant that keeps
+    the gathered x and the column-parallel backward."""
     found = []
-    variants = {"all_gather_matmul_keep": "all_gather_matmul"}  # same kernel, tuned as one
 
     def visit(jaxpr, sizes):
         for eqn in jaxpr.eqns:
@@ -217,23 +401,18 @@ def shapes_of(fn, *args, **kwargs) -> list[tuple]:
             mesh = eqn.params.get("mesh")
             if mesh is not None and hasattr(mesh, "shape"):
                 inner.update(dict(mesh.shape))
-            name = variants.get(eqn.primitive.name, eqn.primitive.name)
-            if name in names:
-                x, w = (v.aval for v in eqn.invars)
-                group = math.prod(inner.get(a, 1) for a in eqn.params["axis_name"])
-                m = math.prod(x.shape[:-1])
-                if name == "all_gather_matmul":
-                    m *= group  # the key counts gathered rows
-                row = (name, m, x.shape[-1], w.shape[1], str(x.dtype), group)
-                if row not in found:
-                    found.append(row)
+            row = _key_of(eqn, inner)
+            if row is not None and row not in found:
+                found.append(row)
             for v in eqn.params.values():
                 for sub in v if isinstance(v, (tuple, list)) else (v,):
                     sub = getattr(sub, "jaxpr", sub)
                     if hasattr(sub, "eqns"):
                         visit(sub, inner)
 
-    visit(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr, {})
+    with policy.every_kernel():  # the ops auto could fuse once measured, the backward too
+        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+    visit(jaxpr, {})
     return found
 
 
@@ -256,10 +435,11 @@ def describe(key: Key, e: dict) -> str:
     setting = f"chunks={e['chunks']} comm_sms={e['comm_sms']}" if e["chunks"] else "-"
     if e.get("schedule") == TILE:
         setting = "schedule=tile"
+    failed = "".join(f"; {c} not used: {why}" for c, why in sorted(e.get("failed", {}).items()))
     return (
         f"{key.op} {key.m}x{key.k}x{key.n} {key.dtype} tp={key.group}: {e['choice']} "
         f"(xla {e['ms_xla']:.3f} ms, best fused {e['ms_fused'] or float('nan'):.3f} ms "
-        f"{setting}, {gain or float('nan'):.2f}x, spread {e['spread']:.1%})"
+        f"{setting}, {gain or float('nan'):.2f}x, spread {e['spread']:.1%}{failed})"
     )
 
 
@@ -267,32 +447,50 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxoverlap.tune", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--op", default="matmul_reduce_scatter", choices=OPS)
+    p.add_argument(
+        "--op", default="matmul_reduce_scatter", choices=(*OPS, "all"), help="'all': every op"
+    )
     p.add_argument(
         "--shapes",
-        help="comma-separated MxKxN: matmul_reduce_scatter per device x [M, K], w [K, N]; "
-        "all_gather_matmul M gathered rows, K, N_local",
+        help="comma-separated MxKxN: matmul_reduce_scatter (and _last_dim, matmul_all_reduce) "
+        "per device x [M, K], w [K, N]; all_gather_matmul (and _keep, _backward) M gathered "
+        "rows, K, N_local; all_gather_matmul_along_k M, K (whole), N_local",
     )
     p.add_argument("--tp", type=int, default=2, help="GPUs in the group (default 2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--samples", type=int, default=9)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=CANDIDATE_TIMEOUT_S,
+        help=f"seconds a candidate may take (default {CANDIDATE_TIMEOUT_S:g}); past it, or "
+        "with values unlike XLA's, it is recorded as failed and never chosen",
+    )
     p.add_argument("--list", action="store_true", help="print the cache and exit")
+    p.add_argument("--candidates", action="store_true", help="print what is tried and exit")
     a = p.parse_args(argv)
+    ops = OPS if a.op == "all" else (a.op,)
+    if a.candidates:
+        for op in ops:
+            print(f"{op}: xla, " + ", ".join(_name(c) for c in candidates(op)))
+        return 0
     if a.list:
         print(cache_path())
         for kid, e in sorted(load().items()):
             how = "schedule=tile" if e.get("schedule") == TILE else f"chunks={e['chunks']}"
-            print(f"{kid}: {e['choice']} {how} comm_sms={e['comm_sms']}")
+            failed = f" failed={sorted(e['failed'])}" if e.get("failed") else ""
+            print(f"{kid}: {e['choice']} {how} comm_sms={e['comm_sms']}{failed}")
         return 0
     if not a.shapes:
-        p.error("--shapes is required (or --list)")
+        p.error("--shapes is required (or --list, --candidates)")
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
     if any(len(s) != 3 for s in shapes):
         p.error("--shapes: each shape is MxKxN, e.g. 8192x4096x8192")
-    print(f"tuning {len(shapes)} shape(s) into {cache_path()}", flush=True)
-    for i, (m, k, n) in enumerate(shapes, 1):
-        key, entry = tune_op(a.op, m, k, n, a.tp, a.dtype, samples=a.samples)
-        print(f"[{i}/{len(shapes)}] {describe(key, entry)}", flush=True)
+    todo = [(op, s) for s in shapes for op in ops]
+    print(f"tuning {len(todo)} op/shape(s) into {cache_path()}", flush=True)
+    for i, (op, (m, k, n)) in enumerate(todo, 1):
+        key, entry = tune_op(op, m, k, n, a.tp, a.dtype, samples=a.samples, timeout_s=a.timeout)
+        print(f"[{i}/{len(todo)}] {describe(key, entry)}", flush=True)
     return 0
 
 

@@ -56,8 +56,12 @@ def unsupported_reason(ct, wt, params, axis_size):
     block = rows // n * k
     if k % 8 or n_cols % 8 or block % 128:
         return f"K={k}, N={n_cols} must be multiples of 8 and rows/n x K of 128 elements"
-    if params["config"].backend == "auto" and (why := policy.new_kernels_reason()):
-        return why
+    if params["config"].backend == "auto":
+        entry = policy.measured(policy.BACKWARD, rows, k, n_cols, ct.dtype, n)
+        if entry is not None:  # this machine's tuner measured this kernel for the shape
+            return policy.entry_reason(entry, f"M={rows} K={k} N={n_cols} over {n} GPUs")
+        if why := policy.new_kernels_reason():
+            return why
     if params["config"].backend == "auto" and (n_cols < _AUTO_MIN_N or block < _AUTO_MIN_BLOCK):
         return (
             f"backend='auto': N={n_cols} and a block of {rows // n}x{k} are below the rule for the "

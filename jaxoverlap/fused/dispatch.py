@@ -29,6 +29,7 @@ aligned).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -47,10 +48,17 @@ def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=
     all_gather_matmul's variant that also returns the gathered x (the training path's forward),
     which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
     allowed."""
-    why = _unsupported_reason(op, x, w, params, axis_size, target)
-    if why is None and keep_gathered and params["config"].backend == "auto":
-        why = policy.new_kernels_reason()
-    return why
+    config = params["config"]
+    if not (keep_gathered and config.backend == "auto"):
+        return _unsupported_reason(op, x, w, params, axis_size, target)
+    fused = {**params, "config": dataclasses.replace(config, backend="fused")}
+    if why := _unsupported_reason(op, x, w, fused, axis_size, target):  # cannot run here
+        return why
+    n, rows = int(axis_size), policy._rows(x.shape) * int(axis_size)  # gathered rows
+    entry = policy.measured(policy.KEEP, rows, x.shape[-1], w.shape[1], x.dtype, n, target)
+    if entry is not None:  # this machine's tuner measured the variant: what won, over any rule
+        return policy.entry_reason(entry, f"M={rows} K={x.shape[-1]} N={w.shape[1]} over {n} GPUs")
+    return policy.new_kernels_reason() or _unsupported_reason(op, x, w, params, axis_size, target)
 
 
 def _unsupported_reason(op, x, w, params, axis_size, target):
@@ -102,6 +110,9 @@ def _unsupported_reason(op, x, w, params, axis_size, target):
         if why := tile.unsupported_reason(x.dtype, m, k, n_cols, n):
             return why
         if config.backend != "auto":
+            return None
+        entry = policy.measured(op, m_total, k, n_cols, x.dtype, n, target)
+        if entry is not None and entry.get("schedule") == "tile":  # measured here: it won
             return None
         return policy.new_kernels_reason() or policy._auto_reason(
             op, m_total, k, n_cols, x.dtype, n, target

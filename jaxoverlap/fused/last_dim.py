@@ -77,6 +77,9 @@ def unsupported_reason(x, w, params, n, target=None):
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
+        entry = policy.measured(policy.LAST_DIM, m_total, k, n_cols, x.dtype, n, target)
+        if entry is not None:  # this machine's tuner measured this kernel for the shape
+            return policy.entry_reason(entry, f"M={m_total} K={k} N={n_cols} over {n} GPUs")
         if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the last dimension, through the transposed problem)"
         return policy._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n, target)
@@ -101,6 +104,9 @@ def unsupported_reason_k(x, w, params, n, target=None):
         )
     config = params["config"]
     if config.backend == "auto":
+        entry = policy.measured(policy.ALONG_K, m_total, k, n_cols, x.dtype, n, target)
+        if entry is not None:  # this machine's tuner measured this kernel for the shape
+            return policy.entry_reason(entry, f"M={m_total} K={k} N={n_cols} over {n} GPUs")
         if why := policy.new_kernels_reason():  # not yet run on two GPUs
             return f"{why} (the all-gather along K)"
         return policy._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n, target)
@@ -141,7 +147,8 @@ def lower(ctx, x, w, params, table):
     n = table.n
     m_total, k, n_cols = math.prod(x_aval.shape[:-1]), x_aval.shape[-1], w_aval.shape[1]
     dtype = x_aval.dtype
-    setting = policy.tuned_setting("matmul_reduce_scatter", n_cols, k, m_total, dtype, n)
+    entry = policy.measured(policy.LAST_DIM, m_total, k, n_cols, dtype, n)
+    setting = policy.tuned_setting("matmul_reduce_scatter", n_cols, k, m_total, dtype, n, entry)
     if not setting[1]:  # a copy-engine entry (comm_sms=0): no such variant here, the defaults
         setting = policy._DEFAULT_SETTING
     chunks = choose_chunks(n_cols // n, k, m_total, config.chunks or setting[0])

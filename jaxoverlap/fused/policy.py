@@ -3,15 +3,18 @@ choice. Decisions only -- no custom call is built here (`jaxoverlap.fused.call`)
 schedule serves a call is `jaxoverlap.fused.dispatch`'s. The same functions answer at trace time
 (`dispatch.unsupported_reason`, which the ops' lowering and ``explain`` ask), at lowering (the
 settings: `rows_setting`, `ag_rows_chunks`, `tuned_setting`) and in the tuner (`choose_chunks`,
-`AUTO_NEW_KERNELS`), so the three never disagree.
+the variants' tuning keys `LAST_DIM` ...), so the three never disagree.
 
 What ``backend="auto"`` may pick: the kernels measured on two GPUs, by the tuner's entry for the
 op and shape, else by the conservative rules below; the kernels not yet measured there only with
-``JAXOVERLAP_AUTO_NEW_KERNELS=1`` (`new_kernels_reason`).
+``JAXOVERLAP_AUTO_NEW_KERNELS=1`` (`new_kernels_reason`), or where this machine's tuner, which
+tries every kernel, measured one faster for the shape (`measured`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 
@@ -79,7 +82,7 @@ def schedule_of(config, entry):
     where auto may take kernels not yet measured on two GPUs), else "chunked"."""
     if config.schedule:
         return config.schedule
-    if entry and entry.get("schedule") == "tile" and not new_kernels_reason():
+    if entry and entry.get("schedule") == "tile" and not new_kernels_reason(entry):
         return "tile"
     return "chunked"
 
@@ -106,12 +109,7 @@ def _auto_reason(op, m, k, n_cols, dtype, n, target=None):
     entry = tuned(op, m, k, n_cols, dtype, n, target)
     shape = f"M={m} K={k} N={n_cols} over {n} GPUs"
     if entry is not None:
-        if entry["choice"] == "fused":
-            return None
-        return (
-            f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
-            f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
-        )
+        return entry_reason(entry, shape)
     rules = {
         "matmul_reduce_scatter": (auto_predicts_win, "tp=2, M>=2048, N>=4096, 4096<=K<=8192"),
         "all_gather_matmul": (
@@ -127,6 +125,16 @@ def _auto_reason(op, m, k, n_cols, dtype, n, target=None):
     return (
         f"backend='auto': {shape} is untuned and outside the conservative rule ({what}); run "
         f"`python -m jaxoverlap.tune --op {op} --shapes {m}x{k}x{n_cols} --tp {n}` to measure it"
+    )
+
+
+def entry_reason(entry, shape):
+    """None where the tuner's ``entry`` chose the fused path, else why auto keeps XLA's."""
+    if entry["choice"] == "fused":
+        return None
+    return (
+        f"backend='auto': tuned, XLA's path measured as fast or faster for {shape} "
+        f"(xla {entry['ms_xla']:.3f} ms, best fused {entry['ms_fused'] or float('nan'):.3f} ms)"
     )
 
 
@@ -152,23 +160,63 @@ _FUSED_OPS = ("matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce")
 
 # Kernels that have not run on two GPUs yet -- all_gather_matmul's variant that returns the
 # gathered x and the column-parallel backward (docs/training-path.md), the copy-engine
-# reduce-scatter (Config(comm_sms=0)) and the last-dimension reduce-scatter (fused/last_dim.py) --
-# are never picked by backend="auto" (nor tried by the tuner) until they have run and been
-# measured there (correct so far with two processes sharing one GPU: docs/measurements.md runs
-# 29-30, 35-36); backend="fused" (or comm_sms=0) runs them. Where auto would have
-# used them it keeps JAX's own collectives (what plain JAX runs).
-# JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto and the tuner in.
+# reduce-scatter (Config(comm_sms=0)), the tile schedule, the last-dimension reduce-scatter and
+# the all-gather along K (fused/last_dim.py) -- are not picked by backend="auto" where untuned
+# until they have run and been measured there (correct so far with two processes sharing one
+# GPU: docs/measurements.md runs 29-30, 35-36); backend="fused" (or comm_sms=0) runs them. Where
+# auto would have used them it keeps JAX's own collectives (what plain JAX runs).
+# JAXOVERLAP_AUTO_NEW_KERNELS=1 opts auto in. The tuner (jaxoverlap.tune) tries them all on the
+# user's GPUs, values checked against XLA's and each bounded by a short timeout; its entries mark
+# that with ``new_kernels`` (`NEW_KERNELS_FIELD`), and such an entry choosing one of them lets
+# auto take it for that shape on that machine (`measured`). Entries without the field (written
+# before, or by an opted-in run of the old tuner) keep the gate.
 AUTO_NEW_KERNELS = os.environ.get("JAXOVERLAP_AUTO_NEW_KERNELS") == "1"
+NEW_KERNELS_FIELD = "new_kernels"
+# The tuning keys' op of the held-back variants that have their own entry (the copy engine and
+# the tile schedule share matmul_reduce_scatter's): `jaxoverlap.fused.cache.Key` shapes --
+# LAST_DIM x [m, k], w [k, n] scattering N; ALONG_K x [m, k / group], w [k, n]; KEEP as
+# all_gather_matmul (m gathered rows); BACKWARD the column-parallel layer's forward shape (ct
+# [m gathered rows, n], w [k, n]).
+LAST_DIM = "matmul_reduce_scatter_last_dim"
+ALONG_K = "all_gather_matmul_along_k"
+KEEP = "all_gather_matmul_keep"
+BACKWARD = "all_gather_matmul_backward"
 
 
-def new_kernels_reason():
-    """None if backend="auto" may take the kernels that have not run on GPUs yet (above)."""
-    if AUTO_NEW_KERNELS:
+_every_kernel = contextvars.ContextVar("every_kernel", default=False)
+
+
+@contextlib.contextmanager
+def every_kernel():
+    """Inside this block auto's trace-time choices take every kernel (the tuner traces a function
+    so to find each op it could fuse: the column-parallel backward, which untuned auto leaves
+    out, is then in the jaxpr)."""
+    token = _every_kernel.set(True)
+    try:
+        yield
+    finally:
+        _every_kernel.reset(token)
+
+
+def measured(op, m, k, n_cols, dtype, n, target=None):
+    """The tuner's entry for ``op`` and this shape if a tuner that tries every kernel wrote it
+    (values checked, each candidate bounded), else None. Arguments as `tuned`'s."""
+    entry = tuned(op, m, k, n_cols, dtype, n, target)
+    return entry if entry is not None and entry.get(NEW_KERNELS_FIELD) else None
+
+
+def new_kernels_reason(entry=None):
+    """None if backend="auto" may take the kernels that have not run on GPUs yet (above): opted
+    in, or ``entry`` (the tuner's for the call's shape) measured one of them faster here."""
+    if AUTO_NEW_KERNELS or _every_kernel.get():
+        return None
+    if entry is not None and entry.get(NEW_KERNELS_FIELD) and entry.get("choice") == "fused":
         return None
     return (
         "backend='auto': this fused kernel has not been measured on two GPUs yet (it ran "
         "correct only with two processes sharing one GPU); backend='fused' runs it "
-        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it)"
+        "(JAXOVERLAP_AUTO_NEW_KERNELS=1 lets auto pick it; `python -m jaxoverlap.tune` on "
+        "this machine's GPUs measures it, and auto then takes it where it won)"
     )
 
 
@@ -188,8 +236,8 @@ def rows_setting(op, config, m_total, k, n_cols, dtype, n, target=None):
     if chunks is None:
         chunks = choose_chunks(m_total // n, k, n_cols, None)
     comm_sms = config.comm_sms if config.comm_sms is not None else setting[1]
-    if comm_sms == 0 and config.comm_sms is None and new_kernels_reason():
-        comm_sms = DEFAULT_COMM_SMS  # a tuner entry from an opted-in run; not allowed now
+    if comm_sms == 0 and config.comm_sms is None and new_kernels_reason(entry):
+        comm_sms = DEFAULT_COMM_SMS  # an entry of the old tuner's opted-in run; not allowed now
     if comm_sms == 0 and rs:  # the copy engine: the reduce-scatter's CE handler
         return targets.GEMM_RS_CE_TARGET, chunks, 0, None
     target = targets.GEMM_RS_TARGET if rs else targets.GEMM_AR_TARGET

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -253,8 +254,11 @@ def _tangent_transpose(cts, *args, gather_dimension, with_gathered, with_dw, **p
         return result(scatter(extra[0], tiled=True) if extra else zero[0], zero[-1])
     wt, params = _common.transposed_w(w, params)
     # Until the backward op has run on GPUs, auto keeps the sibling matmul_reduce_scatter for dx
-    # (fused where it wins, as before) and a plain GEMM for dW (fused.new_kernels_reason).
+    # (fused where it wins, as before) and a plain GEMM for dW (fused.new_kernels_reason) --
+    # unless this machine's tuner measured the backward op faster for this shape.
     sibling = params["config"].backend == "auto" and fused.new_kernels_reason() is not None
+    if sibling and with_dw:
+        sibling = fused.new_kernels_reason(_measured(ct, wt, params)) is not None
     if with_dw and gather_dimension < ct.ndim - 1 and not sibling:
         params = {**params, "scatter_dimension": gather_dimension}
         return result(*dgrad_rs_wgrad_p.bind(ct, wt, g, *extra, **params))
@@ -263,6 +267,14 @@ def _tangent_transpose(cts, *args, gather_dimension, with_gathered, with_dw, **p
     else:
         dx_ct = matmul_reduce_scatter_p.bind(ct, wt, scatter_dimension=gather_dimension, **params)
     return result(dx_ct, _common.contract_leading(g, ct) if with_dw else None)
+
+
+def _measured(ct, wt, params):
+    """The tuner's entry for the column-parallel backward of ct[..., N] and w.T [N, K], if a
+    tuner that tries every kernel measured it here (`fused.policy.measured`), else None."""
+    n = _common.axis_size(params["axis_name"])
+    rows, (n_cols, k) = math.prod(ct.shape[:-1]), wt.shape
+    return fused.policy.measured(fused.policy.BACKWARD, rows, k, n_cols, ct.dtype, n)
 
 
 def _tangent_jvp(primals, tangents, **params):
