@@ -77,12 +77,11 @@ def unsupported_reason(x, w, params, n, target=None):
     if comm_sms > 64:
         return f"comm_sms={comm_sms} leaves too few SMs for the GEMM"
     if config.backend == "auto":
-        entry = policy.measured(policy.LAST_DIM, m_total, k, n_cols, x.dtype, n, target)
-        if entry is not None:  # this machine's tuner measured this kernel for the shape
-            return policy.entry_reason(entry, f"M={m_total} K={k} N={n_cols} over {n} GPUs")
-        if why := policy.new_kernels_reason():  # not yet run on two GPUs
-            return f"{why} (the last dimension, through the transposed problem)"
-        return policy._auto_reason("matmul_reduce_scatter", n_cols, k, m_total, x.dtype, n, target)
+        what = "the last dimension, through the transposed problem"
+        rule = ("matmul_reduce_scatter", n_cols, k, m_total)
+        return policy.gated_auto_reason(
+            policy.LAST_DIM, what, rule, m_total, k, n_cols, x.dtype, n, target
+        )
     return None
 
 
@@ -104,12 +103,10 @@ def unsupported_reason_k(x, w, params, n, target=None):
         )
     config = params["config"]
     if config.backend == "auto":
-        entry = policy.measured(policy.ALONG_K, m_total, k, n_cols, x.dtype, n, target)
-        if entry is not None:  # this machine's tuner measured this kernel for the shape
-            return policy.entry_reason(entry, f"M={m_total} K={k} N={n_cols} over {n} GPUs")
-        if why := policy.new_kernels_reason():  # not yet run on two GPUs
-            return f"{why} (the all-gather along K)"
-        return policy._auto_reason("all_gather_matmul", m_total, k, n_cols, x.dtype, n, target)
+        rule = ("all_gather_matmul", m_total, k, n_cols)
+        return policy.gated_auto_reason(
+            policy.ALONG_K, "the all-gather along K", rule, m_total, k, n_cols, x.dtype, n, target
+        )
     return None
 
 

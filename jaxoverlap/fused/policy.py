@@ -205,6 +205,19 @@ def measured(op, m, k, n_cols, dtype, n, target=None):
     return entry if entry is not None and entry.get(NEW_KERNELS_FIELD) else None
 
 
+def gated_auto_reason(kind, what, rule, m, k, n_cols, dtype, n, target=None):
+    """``backend="auto"``'s decision for a kernel not yet run on two GPUs (``kind``, a tuning op
+    name such as `LAST_DIM`; ``what`` names it in the reason): this machine's measurement of it
+    if the tuner wrote one, else the gate, else ``rule`` = (op, m, k, n_cols): the conservative
+    rule of the op whose kernel it runs on."""
+    entry = measured(kind, m, k, n_cols, dtype, n, target)
+    if entry is not None:  # this machine's tuner measured this kernel for the shape
+        return entry_reason(entry, f"M={m} K={k} N={n_cols} over {n} GPUs")
+    if why := new_kernels_reason():  # not yet run on two GPUs
+        return f"{why} ({what})"
+    return _auto_reason(*rule, dtype, n, target)
+
+
 def new_kernels_reason(entry=None):
     """None if backend="auto" may take the kernels that have not run on GPUs yet (above): opted
     in, or ``entry`` (the tuner's for the call's shape) measured one of them faster here."""
