@@ -108,6 +108,24 @@ def test_norm_between_a_gather_along_k_and_its_matmul(ag_fuses, norm, gathered_s
     assert c.rewritten and "norm across K" in c.note and c.path.startswith("fused"), c
 
 
+def test_norm_across_k_is_left_where_an_operand_differs_across_ranks(ag_fuses):
+    """A norm whose scale differs across the ranks (here: scaled by the rank's index) is not
+    rewritten: rank j would normalise block j with its own scale, where the original uses the
+    gathering rank's for the whole row. The program stays as written and computes the same."""
+    f0, args = _norm_case("rms")
+    specs = (P(None, "tp"), P(), P(None, "tp"))
+
+    def body(x, scale, w):
+        h = lax.all_gather(x, "tp", axis=1, tiled=True)
+        mine = scale * (1 + lax.axis_index("tp")).astype(scale.dtype)  # varies over tp
+        return rms_norm(h, mine) @ w
+
+    f = _sm(body, specs, P(None, "tp"))
+    new = overlap(f)
+    assert prims(jax.make_jaxpr(new)(*args))["all_gather_matmul"] == 0
+    np.testing.assert_array_equal(np.asarray(jax.jit(new)(*args)), np.asarray(jax.jit(f)(*args)))
+
+
 def test_norm_across_k_is_left_where_the_gather_would_not_fuse():
     """f32 (no fused kernel): the norm stays as written, with the reason, and no advice to move
     it before the gather (that would change the result)."""

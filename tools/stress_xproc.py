@@ -274,22 +274,14 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None
         env["XLA_FLAGS"] = " ".join(
             f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
         )
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
+    if memory is None:
+        rest = [str(calls), str(steps), str(timeout_s), backend]
+        argv = [sys.executable, os.path.abspath(__file__), "--worker"]
+    else:  # the memory probe: FRESH call sites, then SIZES batch sizes
+        rest = [str(memory[0]), str(memory[1])]
+        argv = [sys.executable, os.path.abspath(__file__), "--memory-worker"]
     procs = [
-        subprocess.Popen(
-            [
-                *argv,
-                str(p),
-                str(nproc),
-                str(port),
-                str(p % gpus),
-                str(calls),
-                str(steps),
-                str(timeout_s),
-                backend,
-            ],
-            env=env,
-        )  # fmt: skip
+        subprocess.Popen([*argv, str(p), str(nproc), str(port), str(p % gpus), *rest], env=env)
         for p in range(nproc)
     ]
     t0, rcs = time.time(), []

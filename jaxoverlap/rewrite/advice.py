@@ -86,7 +86,9 @@ def replicated(atom, axes, vma_typed: bool) -> bool:
     where replication is typed) a value that does not vary over them."""
     if isinstance(atom, core.Literal):
         return True
-    vma = getattr(atom.aval, "vma", None)
+    vma = getattr(atom.aval, "vma", None)  # jax 0.11
+    if vma is None:  # jax 0.12: the aval's manual-axes type
+        vma = getattr(getattr(atom.aval, "mat", None), "varying", None)
     return vma_typed and vma is not None and not set(axes) & set(vma)
 
 

@@ -33,10 +33,12 @@ from jax._src.config import _check_vma as check_vma
 from jax.extend.core import ClosedJaxpr
 
 from jaxoverlap.rewrite import views
-from jaxoverlap.rewrite.advice import ELEMENTWISE
+from jaxoverlap.rewrite.advice import ELEMENTWISE, replicated
 from jaxoverlap.rewrite.patterns import Match, collective_desc, group_size, short, where
 
 _CROSS = {"reduce_sum": lax.psum, "reduce_max": lax.pmax, "reduce_min": lax.pmin}
+# Ops that give every rank the same value from the same inputs (norms.py: same_everywhere).
+_SAME_OPS = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze")
 MAX_NORM = 24  # equations of a norm (a LayerNorm in f32 with casts is ~16)
 NOTE = ("norm across K: its statistics reduced across the group (psum of the local partial "
         "sums), then the normalized local block gathered into the matmul")  # fmt: skip
@@ -65,10 +67,16 @@ def match_norm(g, i) -> Match | None:
     if not region or not dots:
         return None
     n = group_size(coll)
-    plan, crossed, sources, unused = [], False, [], set()
+    plan, crossed, sources, unused, shared = [], False, [], set(), []
 
-    def source(atom):
+    def source(atom, same_on_every_rank=True):
+        # Rank j computes block j with its own copy of the operand, where the original used the
+        # gathering rank's for every block: equal only if the operand is the same on every rank
+        # (checked below), or is this rank's block of a gathered vector (its own, before the
+        # gather).
         sources.append(atom)
+        if same_on_every_rank:
+            shared.append(atom)
         return len(sources) - 1
 
     for j in sorted(region):
@@ -118,7 +126,7 @@ def match_norm(g, i) -> Match | None:
                         and c.params["all_gather_dimension"] == q
                         and c.params["tiled"]
                     ):
-                        how.append(("broadcast", b, None, source(c.invars[0])))
+                        how.append(("broadcast", b, None, source(c.invars[0], False)))
                         if g.uses[a] == 1 and g.uses[src] == 1:  # (its gather is then dead)
                             unused.update((b, ag))
                     else:
@@ -149,6 +157,22 @@ def match_norm(g, i) -> Match | None:
         plan.append((j, how, pos[out]))
     if not crossed:
         return None
+
+    def same_everywhere(a, depth=8):
+        """Replicated by type (or a literal), or computed only from such values by elementwise
+        ops, casts, broadcasts and pvary (``pvary(1e-6)`` is typed varying but is not)."""
+        if replicated(a, axes, check_vma.value):
+            return True
+        j = g.producer.get(a) if isinstance(a, core.Var) else None
+        if j is None or depth == 0:
+            return False
+        e = g.eqns[j]
+        if e.primitive.name not in _SAME_OPS and e.primitive.name not in ELEMENTWISE:
+            return False
+        return all(same_everywhere(b, depth - 1) for b in e.invars)
+
+    if not all(same_everywhere(a) for a in shared):
+        return None  # an operand that may differ across ranks (or untyped: check_vma off)
     dots = sorted(dots)
     feed = [a for j in dots for a in g.eqns[j].invars if isinstance(a, core.Var) and a in pos]
     if len(feed) != len(dots) or len(set(feed)) != 1:
