@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax._src import core
+from jax._src.config import _check_vma as check_vma
 from jax.extend.core import ClosedJaxpr
 
 # Elementwise primitives (operands of equal shape, result of that shape): they act on every
@@ -92,6 +93,25 @@ def replicated(atom, axes, vma_typed: bool) -> bool:
     return vma_typed and vma is not None and not set(axes) & set(vma)
 
 
+# Ops that give every rank the same value from the same inputs (`same_everywhere`).
+_SAME_OPS = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze")
+
+
+def same_everywhere(g, atom, axes, vma_typed: bool, depth=8) -> bool:
+    """Whether ``atom`` has one value on every rank of ``axes``: `replicated`, or computed only
+    from such values by elementwise ops, casts, broadcasts and pvary (``pvary(1e-6)`` is typed
+    varying but is not)."""
+    if replicated(atom, axes, vma_typed):
+        return True
+    j = g.producer.get(atom) if isinstance(atom, core.Var) else None
+    if j is None or depth == 0:
+        return False
+    e = g.eqns[j]
+    if e.primitive.name not in _SAME_OPS and e.primitive.name not in ELEMENTWISE:
+        return False
+    return all(same_everywhere(g, b, axes, vma_typed, depth - 1) for b in e.invars)
+
+
 def after_collective(g, b, src, coll_index, scatter: bool, axes, vma_typed: bool):
     """``(Advice, text)`` to redo equation ``b`` (whose operand ``src`` is the matmul's
     result) after the collective ``coll_index`` it feeds, or ``(None, why not)``."""
@@ -140,6 +160,7 @@ def before_gather(g, coll_index, dots, limit: int):
     ``limit``); the gathered dimension is followed through it."""
     coll = g.eqns[coll_index]
     d0 = coll.params["all_gather_dimension"]
+    group_axes = tuple(coll.params["axis_name"])
     pos = {coll.outvars[0]: d0}  # var of the region -> position of the gathered dim
     region, frontier, dots = set(), [coll.outvars[0]], set(dots)
     while frontier:
@@ -176,6 +197,12 @@ def before_gather(g, coll_index, dots, limit: int):
             return None, "the gathered dimension does not stay in one place"
         if name in ELEMENTWISE:
             for a in outside:
+                if not same_everywhere(g, a, group_axes, bool(check_vma.value)):
+                    return None, (
+                        f"the {name} combines the gathered value with a value that may differ "
+                        "across the ranks: before the all_gather each rank would apply its own "
+                        "to its block, so no equal form is suggested"
+                    )
                 if not a.aval.ndim:
                     continue
                 b = g.made_by(a, "broadcast_in_dim")

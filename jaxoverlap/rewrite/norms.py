@@ -33,12 +33,10 @@ from jax._src.config import _check_vma as check_vma
 from jax.extend.core import ClosedJaxpr
 
 from jaxoverlap.rewrite import views
-from jaxoverlap.rewrite.advice import ELEMENTWISE, replicated
+from jaxoverlap.rewrite.advice import ELEMENTWISE, same_everywhere
 from jaxoverlap.rewrite.patterns import Match, collective_desc, group_size, short, where
 
 _CROSS = {"reduce_sum": lax.psum, "reduce_max": lax.pmax, "reduce_min": lax.pmin}
-# Ops that give every rank the same value from the same inputs (norms.py: same_everywhere).
-_SAME_OPS = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze")
 MAX_NORM = 24  # equations of a norm (a LayerNorm in f32 with casts is ~16)
 NOTE = ("norm across K: its statistics reduced across the group (psum of the local partial "
         "sums), then the normalized local block gathered into the matmul")  # fmt: skip
@@ -158,20 +156,7 @@ def match_norm(g, i) -> Match | None:
     if not crossed:
         return None
 
-    def same_everywhere(a, depth=8):
-        """Replicated by type (or a literal), or computed only from such values by elementwise
-        ops, casts, broadcasts and pvary (``pvary(1e-6)`` is typed varying but is not)."""
-        if replicated(a, axes, check_vma.value):
-            return True
-        j = g.producer.get(a) if isinstance(a, core.Var) else None
-        if j is None or depth == 0:
-            return False
-        e = g.eqns[j]
-        if e.primitive.name not in _SAME_OPS and e.primitive.name not in ELEMENTWISE:
-            return False
-        return all(same_everywhere(b, depth - 1) for b in e.invars)
-
-    if not all(same_everywhere(a) for a in shared):
+    if not all(same_everywhere(g, a, axes, bool(check_vma.value)) for a in shared):
         return None  # an operand that may differ across ranks (or untyped: check_vma off)
     dots = sorted(dots)
     feed = [a for j in dots for a in g.eqns[j].invars if isinstance(a, core.Var) and a in pos]
