@@ -76,3 +76,23 @@ def test_vmap():
         want = jax.jit(jax.shard_map(ref, **specs))(x, w)
     for a, b in zip(got, want, strict=True):
         assert_close(a, b, TOL[jnp.float32])
+
+
+def test_the_variant_returning_x_is_refused_along_k_by_the_decision():
+    """Along K the all-gather that also returns x (a trained weight's forward) has no fused
+    kernel: the one decision function says so at trace time, so explain, the tuner and lowering
+    agree (before, only lowering refused it, and explain named the K-gather kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxoverlap import Config
+    from jaxoverlap.fused import dispatch
+
+    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+    for backend in ("auto", "fused"):
+        params = {"config": Config(backend=backend), "gather_dimension": 1}
+        why = dispatch.unsupported_reason("all_gather_matmul", x, w, params, 2, keep_gathered=True)
+        assert why and "along K" in why and "returns x" in why, why
+        plain = dispatch.unsupported_reason("all_gather_matmul", x, w, params, 2)
+        assert not plain or "returns x" not in plain, plain  # the plain K-gather: its own rules

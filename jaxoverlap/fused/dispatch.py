@@ -49,6 +49,10 @@ def unsupported_reason(op, x, w, params, axis_size, keep_gathered=False, target=
     which ``backend="auto"`` takes only once the kernels not yet measured on two GPUs are
     allowed."""
     config = params["config"]
+    if keep_gathered and op == "all_gather_matmul" and params.get("gather_dimension") == x.ndim - 1:
+        # (last_dim.lower_k: the variant is not built along K) -- decided here, so that
+        # explain, the tuner and lowering agree and backend="fused" fails at trace time
+        return "along K, the all-gather that also returns x (for a trained dW) is not fused"
     if not (keep_gathered and config.backend == "auto"):
         return _unsupported_reason(op, x, w, params, axis_size, target)
     fused = {**params, "config": dataclasses.replace(config, backend="fused")}
