@@ -122,7 +122,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s):
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0",
         "NCCL_NVLS_ENABLE": "0",
     }
-    procs, logs = [], []
+    procs, logs, files = [], [], []
     for p in range(2):
         log = os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.log")
         stdout = open(os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.out"), "w")
@@ -130,6 +130,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s):
                "--log-file", log, *SANITIZER_FLAGS[tool],
                sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env))
+        files.append(stdout)
         logs.append((log, stdout.name))
     t0, timed_out = time.time(), False
     for pr in procs:
@@ -139,6 +140,9 @@ def run_tool(tool, mode, out, deadline_s, timeout_s):
             timed_out = True
             for q in procs:
                 q.kill()
+    for pr, f in zip(procs, files, strict=True):
+        pr.wait()
+        f.close()
     return logs, timed_out, time.time() - t0
 
 

@@ -285,7 +285,7 @@ struct CudaRuntime {
 using FusedCall = BasicFusedCall<CudaRuntime>;
 using Call = FusedCall::Call;
 
-// The attributes every fused target takes after its own (the lowering, jaxoverlap/fused.py,
+// The attributes every fused target takes after its own (the lowering, jaxoverlap/fused/call.py,
 // sends them by name; XLA matches attributes by name, so their place in the binding is free).
 template <typename Binding>
 auto bind_common_attrs(Binding&& binding) {

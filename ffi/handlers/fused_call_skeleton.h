@@ -12,8 +12,8 @@
 //   (2) open: device guard, set the device, capture scope, device runtime, the device's launch
 //       lock, the workspace, begin_call -- which answers run, given up (every rank closes the
 //       call with a NaN output; success) or refused (the earlier failure, as the error);
-//   (3) start: kernels preloaded, then the call's resources (copy engine, SM partition, tile
-//       kernels: Spec::uses), the test-only failure, the device's error record;
+//   (3) start: kernels preloaded, then the call's resources (copy engine, SM partition:
+//       Spec::uses), the test-only failure, the device's error record;
 //   (4) the schedule, which launches through c.fork(), its own launches and c.join(), and
 //       returns "" or what failed (CK in fused_call.h; the op name is added here, D18);
 //   (5) a failure after begin_call goes through fail_call (the call is given up on every rank,
@@ -118,8 +118,9 @@ class BasicFusedCall {
   using Call = BasicCall<Stream, typename Rt::Span>;
   using Output = typename Rt::Output;
 
-  // What a call uses besides XLA's stream (Spec::uses): exactly one of the SM partition, the
-  // copy engine's stream and the tile kernels, except the all-reduce (partition + copy engine).
+  // What a call uses besides XLA's stream (Spec::uses): the SM partition or the copy engine's
+  // stream, both for the all-reduce, neither for the tile schedule (its handler chooses and loads
+  // its kernel in the schedule: runtime/tile_menu.h).
   enum Uses : unsigned { kSmPartition = 1, kCopyEngine = 2 };
   // The call's workspace (runtime.h: workspace) and resources.
   struct Spec {

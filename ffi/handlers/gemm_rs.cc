@@ -10,7 +10,7 @@
 // array, as in the backward's ct @ w.T), read as cuBLASLt's transposed operand. `x_colmajor`:
 // x[rows, K] is stored column-major too (a row block is then a block of a taller column-major
 // matrix: leading dimension `rows`) -- the reduce-scatter over the last dimension of x @ w, run
-// as the transposed problem (out.T = w.T @ x.T; jaxoverlap/fused_cols.py).
+// as the transposed problem (out.T = w.T @ x.T; jaxoverlap/fused/last_dim.py).
 // All-reduce (out[M, N], the whole sum on every rank): the own GEMM writes rank r's rows of the
 // output; as each reduced chunk is done, the copy engine (the device's copy stream, no SMs)
 // pushes it into every peer's second staging area (Workspace::gather) and releases the peer's

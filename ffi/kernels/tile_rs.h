@@ -5,7 +5,8 @@
 // rank j. Tiles are handed out in the order blocks r+1, r+2, ..., r (own block last) from a
 // counter, to whichever CTA asks next. A foreign tile's epilogue stores it (bf16/f16) straight
 // into its owner's staging slot in peer memory and, once the stores are done, publishes one flag
-// per 16-row slab. An own tile's epilogue waits (bounded) for the matching slabs of every peer,
+// per 16-row x 128-column piece. An own tile's epilogue waits (bounded) for the matching pieces
+// of every peer,
 // adds them to its f32 accumulators in rank order and rounds once. No GEMM split, no
 // communication kernel, no SM partition: the communication is in the epilogue of the tiles
 // every other rank waits for, which come first.

@@ -2,7 +2,7 @@
 // of a group with call number k of every other rank, so every rank must issue the calls of a
 // workspace in the same order. Each call carries an identity that every rank of one logical
 // call knows alike -- XLA's run id of the launch, the call's tag in its program (a lowering
-// attribute, jaxoverlap/fused.py `_call_tag`) and how many calls with that (run, tag) this rank
+// attribute, jaxoverlap/fused/call.py `_call_tag`) and how many calls with that (run, tag) this rank
 // issued on this workspace before -- and the first rank to issue call number k records it; every
 // later rank compares its own. A difference means the ranks paired two different calls: the
 // caller gives that call up on every rank (runtime.h: begin_call).

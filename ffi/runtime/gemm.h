@@ -56,7 +56,7 @@ struct GemmAlign {
 // Publishes `text` at `path` unless a file is there: written to a private file, then hard-linked
 // into place (atomic; fails if the name exists), so readers never see a partial file and the
 // first writer wins. False when another process's file was there first (the GEMM plans' and the
-// tile kernels' choices, kernels/tile_rs.cu).
+// tile kernels' choices, runtime/tile_menu.cc).
 bool publish_once(const std::string& path, const std::string& text);
 
 class GemmRunner {
@@ -64,7 +64,7 @@ class GemmRunner {
   std::string init();  // on the current device
   // Where choices are shared between processes ("" = not at all). Process-wide.
   static void set_cache_dir(const std::string& dir);
-  static std::string get_cache_dir();  // also the tile kernels' choices (kernels/tile_rs.h)
+  static std::string get_cache_dir();  // also the tile kernels' choices (runtime/tile_menu.h)
   // On the current device. Returns "" on success, else a sentence saying what failed. Any
   // pointer alignment of 2 bytes or more runs: the plan is chosen for the pointers' alignment.
   std::string run(const GemmShape& s, const void* a, const void* b, const void* c, void* d,

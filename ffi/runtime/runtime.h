@@ -74,7 +74,7 @@ void report_failure(const std::string& what);
 // Memory that every rank of a group can read and write: allocated once per (site, group, size)
 // on all member devices by the first member to arrive, and reused by every later call with the
 // same key. `site` is not a call-site counter: the lowering derives it from what every rank and
-// every process knows identically (op, shapes, dtype, settings; jaxoverlap/fused.py,
+// every process knows identically (op, shapes, dtype, settings; jaxoverlap/fused/call.py,
 // `_table_attrs`), so fresh jit wrappers and unrolled layers of one op share one workspace, and
 // memory grows with the number of distinct ops, not of compiled call sites.
 //

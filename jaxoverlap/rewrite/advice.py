@@ -4,7 +4,7 @@ where the moved program computes the same values.
 A near miss names the equation between a matmul and its collective. Advice to move it across the
 collective is printed only where that keeps every value equal, and each piece of advice is an
 `Advice` that says exactly which equations move where, so that a test applies it mechanically
-(tests/test_overlap_advice.py) and checks the values. Two moves are advised:
+(tests/test_explain_idioms.py) and checks the values. Two moves are advised:
 
 * ``"after"``: the one equation that feeds a ``psum``/``psum_scatter`` directly, redone on the
   collective's result. Equal where it commutes with the sum: for a ``psum`` a linear op of the
