@@ -31,8 +31,8 @@ _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
 _registered = False
-# The tuner's cache format (tune.py writes it (fused/cache.py reads it)); part of `fingerprint`, so a new format
-# starts a new file and old caches stay valid.
+# The tuner's cache format (tune.py writes it, fused/cache.py reads it); part of `fingerprint`,
+# so a new format starts a new file and old caches stay valid.
 CACHE_VERSION = 1
 
 
