@@ -190,6 +190,12 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
 // Frees what a workspace holds on this process's devices (its own allocations, the peers'
 // mappings); for a creation that failed half way.
 void free_workspace(Workspace* ws);
+// Runs fn(ws) under ws->seq_mu for every workspace set up so far (no other lock held): how a
+// reported failure reaches every workspace (runtime.cc).
+void for_each_workspace(const std::function<void(Workspace*)>& fn);
+
+// "<what> failed: <CUDA's description of e>".
+std::string cuda_error(const char* what, cudaError_t e);
 
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);

@@ -1,0 +1,241 @@
+// The pool of workspaces (runtime.h: Workspace): their look-up and first-use creation, the
+// buffers every member needs, and the abort of a call.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/runtime.h"
+
+namespace jaxoverlap {
+namespace {
+
+// A workspace's slot and the lock held while it is set up (first use) and looked at. A creation
+// that failed for one rank's call fails the same call of every other rank too (owed[r]), so no
+// rank counts a call its peers never made (the epochs would stay out of step for good); the
+// next call tries again.
+struct WsCell {
+  std::mutex mu;
+  std::unique_ptr<Workspace> obj;
+  std::string error;
+  bool owed[kMaxRanks] = {};
+};
+std::mutex g_mu;  // guards g_workspaces' structure only (look-up, insertion); no CUDA call under it
+std::map<WsKey, std::unique_ptr<WsCell>> g_workspaces;
+
+WsCell* ws_cell(const WsKey& key) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& c = g_workspaces[key];
+  if (!c) c = std::make_unique<WsCell>();
+  return c.get();
+}
+
+}  // namespace
+
+// Runs fn(ws) under ws->seq_mu for every workspace set up so far (no other lock held).
+void for_each_workspace(const std::function<void(Workspace*)>& fn) {
+  std::vector<WsCell*> cells;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [key, c] : g_workspaces) cells.push_back(c.get());
+  }
+  for (WsCell* c : cells) {
+    Workspace* ws;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      ws = c->obj.get();
+    }
+    if (!ws) continue;
+    std::lock_guard<std::mutex> lock(ws->seq_mu);
+    fn(ws);
+  }
+}
+
+void abort_call(Workspace* ws, uint32_t index) {
+  // A peer process cannot see this process's abort ring: for a spanning group the dead word
+  // goes first, so this rank's kernels of the call (signals included) stop before the abort
+  // lets its waits give up and its pushes carry garbage (ce.cu, ce_signal_arrival_kernel).
+  if (ws->spans && ws->peers[ws->local].dead) {
+    *(volatile uint32_t*)ws->peers[ws->local].dead = 1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+  *(volatile uint32_t*)abort_word(ws->abort, index) = index;
+}
+
+std::string allocate_abort(Workspace* ws) {
+  // The first allocation of a workspace: with no context current it would create device 0's
+  // (R1), so the caller must have chosen a member's device.
+  if (context_device() == -1)
+    return "allocating a workspace's abort words with no CUDA device current on this thread";
+  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
+                                    cudaHostAllocMapped | cudaHostAllocPortable))
+    return cuda_error("cudaHostAlloc (abort words)", e);
+  for (uint32_t i = 0; i < kAbortSlots; ++i) ws->abort[i] = i ^ 1u;  // no epoch of slot i
+  return "";
+}
+
+std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_gather) {
+  const int n = ws->n;
+  const int64_t block_bytes = ws->block_bytes;
+  Peers& p = ws->peers[i];
+  p.n = n;
+  p.rank = i;
+  p.device = ws->ordinals[i];
+  // With unified addressing (64-bit, every supported GPU) the host pointer is the device one.
+  p.abort = ws->abort;
+  cudaError_t e;
+  if ((e = cudaSetDevice(ws->ordinals[i]))) return cuda_error("cudaSetDevice", e);
+  if ((e = cudaEventCreateWithFlags(&ws->done[i], cudaEventDisableTiming)))
+    return cuda_error("cudaEventCreate (workspace)", e);
+  if ((e = cudaMalloc(&p.stage[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (staging)", e);
+  if ((e = cudaMalloc(&p.flags[i], sizeof(Flags)))) return cuda_error("cudaMalloc (flags)", e);
+  if (with_partials && (e = cudaMalloc(&ws->part[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (partials)", e);
+  if (with_partials && n > 2 && (e = cudaMalloc(&ws->acc[i], block_bytes)))
+    return cuda_error("cudaMalloc (peer sum)", e);
+  if (with_gather && (e = cudaMalloc(&ws->gather[i], (n - 1) * block_bytes)))
+    return cuda_error("cudaMalloc (gather staging)", e);
+  p.gather[i] = ws->gather[i];
+  // A private stream: the synchronisation below waits for this memset only, never for work of
+  // other calls (which may be waiting on peers).
+  cudaStream_t s;
+  if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
+    return cuda_error("cudaStreamCreate", e);
+  cudaMemsetAsync(p.flags[i], 0, sizeof(Flags), s);
+  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h).
+  cudaMemsetAsync(p.stage[i], 0, (n - 1) * block_bytes, s);
+  e = cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
+  if (e) return cuda_error("clearing the flags", e);
+  return "";
+}
+
+void free_workspace(Workspace* ws) {
+  for (int i = 0; i < ws->n; ++i) {
+    // Another process's member, or a device that cannot be made current: nothing to free here.
+    if (ws->ordinals[i] < 0 || cudaSetDevice(ws->ordinals[i]) != cudaSuccess) continue;
+    const Peers& mine = ws->peers[i];
+    for (void* p : {(void*)mine.stage[i], (void*)mine.flags[i], (void*)ws->part[i],
+                    (void*)ws->acc[i], (void*)ws->gather[i]})
+      if (p) cudaFree(p);
+    if (ws->done[i]) cudaEventDestroy(ws->done[i]);
+    if (ws->spans)  // the peers' buffers mapped into this process
+      for (int j = 0; j < ws->n; ++j)
+        if (j != i && ws->imported[j])
+          for (void* p : {(void*)mine.stage[j], (void*)mine.flags[j], (void*)mine.gather[j]})
+            if (p) cudaIpcCloseMemHandle(p);
+  }
+  if (ws->abort) cudaFreeHost(ws->abort);
+  cudaGetLastError();
+}
+
+std::string member_name(int v) {
+  return v >= 0 ? std::to_string(v) : "id " + std::to_string(-1 - v) + " (another process)";
+}
+
+bool spanning_ready(const Workspace* ws) {
+  if (!ws->spans) return false;
+  for (int r = 0; r < ws->n; ++r)
+    if (r != ws->local && !ws->imported[r]) return false;
+  return true;
+}
+
+std::string with_workspace_slot(
+    const WsKey& key, const std::function<std::string(std::unique_ptr<Workspace>&)>& fn) {
+  WsCell* c = ws_cell(key);
+  std::lock_guard<std::mutex> lock(c->mu);
+  return fn(c->obj);
+}
+
+namespace {
+
+// Enables peer access, allocates and clears every member's buffers; on failure frees them.
+std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather) {
+  const int n = ws->n;
+  const std::vector<int>& ordinals = ws->ordinals;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, ordinals[i], ordinals[j]);
+      if (!can)
+        return "device " + std::to_string(ordinals[i]) + " cannot access device " +
+               std::to_string(ordinals[j]) + " (no peer access)";
+      if (cudaError_t e = cudaSetDevice(ordinals[i])) return cuda_error("cudaSetDevice", e);
+      cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
+    }
+  }
+  if (std::string e = allocate_abort(ws); !e.empty()) return e;
+  for (int i = 0; i < n; ++i)
+    if (std::string e = allocate_member(ws, i, with_partials, with_gather); !e.empty()) return e;
+  for (int i = 0; i < n; ++i)  // every member's table points at every member's buffers
+    for (int j = 0; j < n; ++j) {
+      ws->peers[i].stage[j] = ws->peers[j].stage[j];
+      ws->peers[i].flags[j] = ws->peers[j].flags[j];
+      ws->peers[i].gather[j] = ws->peers[j].gather[j];
+    }
+  return "";
+}
+
+}  // namespace
+
+std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
+                      int64_t block_bytes, bool with_partials, Workspace** out,
+                      bool with_gather) {
+  // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
+  // so calls on other workspaces (and their hot paths) never wait for it.
+  WsCell* c = ws_cell(WsKey{site, ordinals, block_bytes, with_partials, with_gather});
+  std::lock_guard<std::mutex> lock(c->mu);
+  if (std::any_of(ordinals.begin(), ordinals.end(), [](int o) { return o < 0; })) {
+    // Spanning processes: set up at lowering (xproc.cc), never here.
+    if (c->obj && c->obj->local == rank && spanning_ready(c->obj.get())) {
+      *out = c->obj.get();
+      return "";
+    }
+    return "the workspace of this call spans processes and was not set up in this process "
+           "(site " + std::to_string(site) + ", " + std::to_string(block_bytes) + "-byte blocks"
+           "): it is mapped when the program is lowered (jaxoverlap/xproc.py), so a program "
+           "that was not lowered in this process (a deserialized jax.export) cannot run it";
+  }
+  if (rank >= 0 && rank < kMaxRanks && c->owed[rank]) {
+    c->owed[rank] = false;
+    return c->error;
+  }
+  if (!c->obj) {
+    auto ws = std::make_unique<Workspace>();
+    ws->n = (int)ordinals.size();
+    ws->ordinals = ordinals;
+    ws->block_bytes = block_bytes;
+    DeviceGuard guard;
+    if (std::string err = outside_capture("creating a workspace", [&] {
+          return create_workspace(ws.get(), with_partials, with_gather);
+        });
+        !err.empty()) {
+      free_workspace(ws.get());
+      c->error = err;
+      for (int r = 0; r < ws->n && r < kMaxRanks; ++r) c->owed[r] = r != rank;
+      return err;
+    }
+    c->obj = std::move(ws);
+  }
+  *out = c->obj.get();
+  return "";
+}
+
+int64_t memory_in_use(int ordinal) {
+  DeviceGuard guard;
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(ordinal) || cudaMemGetInfo(&free_b, &total_b)) return -1;
+  return (int64_t)(total_b - free_b);
+}
+
+}  // namespace jaxoverlap
