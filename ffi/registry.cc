@@ -365,16 +365,18 @@ NB_MODULE(_native, m) {
       },
       "[(ordinal, PCI bus id)] of the GPUs visible to this process.");
   auto key = [](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials,
-                bool gather) {
-    return jaxoverlap::WsKey{site, group, block_bytes, partials, gather};
+                bool gather, bool exact) {
+    return jaxoverlap::WsKey{site, group, block_bytes, partials, gather, exact};
   };
+  // `exact`: the workspace is not shared by size class (runtime/ws_class.h), as the handler of
+  // the same call decides (the tile schedule's).
   m.def(
       "ws_export",
       [key](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials, bool gather,
-            int rank) {
+            int rank, bool exact) {
         std::string handles;
-        std::string e = jaxoverlap::export_rank(key(site, group, block_bytes, partials, gather),
-                                                rank, &handles);
+        std::string e = jaxoverlap::export_rank(
+            key(site, group, block_bytes, partials, gather, exact), rank, &handles);
         if (!e.empty()) throw std::runtime_error(e);
         return nb::bytes(handles.data(), handles.size());
       },
@@ -382,9 +384,9 @@ NB_MODULE(_native, m) {
   m.def(
       "ws_import",
       [key](int64_t site, std::vector<int> group, int64_t block_bytes, bool partials, bool gather,
-            int peer, nb::bytes handles) {
+            int peer, nb::bytes handles, bool exact) {
         std::string e = jaxoverlap::import_peer(
-            key(site, group, block_bytes, partials, gather), peer,
+            key(site, group, block_bytes, partials, gather, exact), peer,
             std::string(static_cast<const char*>(handles.data()), handles.size()));
         if (!e.empty()) throw std::runtime_error(e);
       },

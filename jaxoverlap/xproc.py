@@ -164,10 +164,14 @@ def exchange_key(ids, what):
 
 def prepare(table, site, spec, what, *, kv=None, native=None):
     """Maps the workspace of every local row of ``table`` (local rows; `topology.local_rows`)
-    whose group spans processes. ``spec``: (block_bytes, partials, gather), as the handler
-    derives them from its buffers; ``what``: the op, shapes and settings (`exchange_key`)."""
+    whose group spans processes. ``spec``: (block_bytes, partials, gather[, exact]), as the
+    handler derives them from its buffers (exact: not shared by size class; the tile schedule's);
+    ``what``: the op, shapes and settings (`exchange_key`). The native side maps every key to its
+    pool's workspace (ffi/runtime/ws_class.h: shared by size class unless exact) exactly as the
+    handler will, so a second key of a class exports the same buffers and finds its peers mapped."""
     native = native or runtime.native()
     block_bytes, partials, gather = (int(spec[0]), bool(spec[1]), bool(spec[2]))
+    exact = bool(spec[3]) if len(spec) > 3 else False
     for i in range(len(table.ordinals)):
         group = [int(v) for v in table.groups[i]]
         if min(group) >= 0:
@@ -183,7 +187,7 @@ def prepare(table, site, spec, what, *, kv=None, native=None):
         procs = [int(p) for p in table.group_processes[i]]
         key_what = (int(site), *what, block_bytes, partials, gather)
         name = f"{PREFIX}/ws/{exchange_key(ids, key_what)}"
-        handles = native.ws_export(int(site), group, block_bytes, partials, gather, rank)
+        handles = native.ws_export(int(site), group, block_bytes, partials, gather, rank, exact)
         _set(kv, f"{name}/{rank}", bytes(handles).hex())
         for r in range(len(group)):
             if r == rank:
@@ -192,7 +196,7 @@ def prepare(table, site, spec, what, *, kv=None, native=None):
             text = _get(kv, f"{name}/{r}", f"the workspace handles of {what_for}")
             try:
                 native.ws_import(
-                    int(site), group, block_bytes, partials, gather, r, bytes.fromhex(text)
+                    int(site), group, block_bytes, partials, gather, r, bytes.fromhex(text), exact
                 )
             except RuntimeError as e:
                 raise CrossProcessError(f"jaxoverlap: {what_for}: {e}") from None

@@ -42,11 +42,11 @@ class FakeNative:
     def devices(self):  # ordinals 0, 1 of process p are global ids p, p + 2
         return [(0, f"bus{self.process}"), (1, f"bus{self.process + 2}")]
 
-    def ws_export(self, site, group, block_bytes, partials, gather, rank):
+    def ws_export(self, site, group, block_bytes, partials, gather, rank, exact):
         self.exports.append((group, block_bytes, partials, gather, rank))
         return bytes([rank]) * xproc_ipc_bytes()
 
-    def ws_import(self, site, group, block_bytes, partials, gather, peer, handles):
+    def ws_import(self, site, group, block_bytes, partials, gather, peer, handles, exact):
         self.imports.append((group, block_bytes, partials, gather, peer, handles[:1]))
 
 

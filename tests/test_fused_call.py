@@ -110,6 +110,8 @@ def test_two_processes_one_device(run):
 
 def test_tile_schedule_never_forks_a_stream(run):
     ev = single(run, "tile")
+    # Its staging's layout depends on the shape: a workspace of its own, not its size class's.
+    assert "workspace site=42 group=0,1 rank=0 bytes=4096 partials=1 gather=0 exact=1" in ev
     assert ev.index("preload") < first(ev, "launch")
     assert not any(e.startswith(("partition", "ce_setup")) for e in ev)
     assert "fork stream=100 streams=none gemm=0 uses=0" in ev

@@ -183,8 +183,9 @@ struct CudaRuntime {
   }
   static Mutex& launch_mutex(Device* dev) { return dev->launch_mu; }
   static std::string workspace(int64_t site, const std::vector<int>& group, int rank,
-                               int64_t block_bytes, bool partials, bool gather, Workspace** out) {
-    return jaxoverlap::workspace(site, group, rank, block_bytes, partials, out, gather);
+                               int64_t block_bytes, bool partials, bool gather, bool exact,
+                               Workspace** out) {
+    return jaxoverlap::workspace(site, group, rank, block_bytes, partials, out, gather, exact);
   }
   static uint32_t begin_call(Workspace* ws, int rank, int64_t run, int64_t tag,
                              std::string* refused, bool* misordered) {
@@ -233,10 +234,12 @@ struct CudaRuntime {
   // runs then, and writing the buffers would race with XLA's work still in flight on them; the
   // GEMMs plan and load themselves on scratch operands instead (gemm.h), and the warm-up stays
   // due for the first uncaptured call.
+  // Per site (the call's op and shapes): a workspace shared by size class serves other shapes,
+  // whose GEMM kernels its earlier warm-ups did not load.
   static bool warm_up_now(const Workspace* ws, int rank) {
-    return !ws->warmed[rank] && !under_capture();
+    return !ws->warmed[rank].count(ws->site_now[rank]) && !under_capture();
   }
-  static void warmed(Workspace* ws, int rank) { ws->warmed[rank] = true; }
+  static void warmed(Workspace* ws, int rank) { ws->warmed[rank].insert(ws->site_now[rank]); }
 
   // The fork: the green-context streams the call launches on (the GEMM stream only if `gemm`)
   // wait for XLA's stream and for the previous call of the same workspace on this device

@@ -123,10 +123,13 @@ class BasicFusedCall {
   // its kernel in the schedule: runtime/tile_menu.h).
   enum Uses : unsigned { kSmPartition = 1, kCopyEngine = 2 };
   // The call's workspace (runtime.h: workspace) and resources.
+  // `exact`: a workspace of this call's own site and size, not one shared by size class
+  // (runtime/ws_class.h: the tile schedule's staging layout depends on the shape).
   struct Spec {
     int64_t block_bytes;
     bool partials, gather;
     unsigned uses;
+    bool exact = false;
   };
 
   BasicFusedCall(const char* what, const Call& call, Rt rt = Rt())
@@ -207,7 +210,7 @@ class BasicFusedCall {
       return Rt::internal(what_, e);
     lock_ = std::unique_lock<typename Rt::Mutex>(rt_.launch_mutex(dev_));
     if (std::string e = rt_.workspace(call_.attrs.site, group_, rank_, spec_.block_bytes,
-                                      spec_.partials, spec_.gather, &ws_);
+                                      spec_.partials, spec_.gather, spec_.exact, &ws_);
         !e.empty())
       return Rt::internal(what_, e);
     // From here on this call counts on every rank: a failure gives it up on all of them.

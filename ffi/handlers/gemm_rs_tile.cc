@@ -66,7 +66,9 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return fc.invalid(e);
   const int64_t slot_bytes = tile_rs_slot_bytes(m, N);
   const Output output{out->untyped_data(), (int64_t)out->size_bytes(), dtype};
-  return fc.run({slot_bytes, false, false, 0}, output,
+  // An exact workspace: the slab flags sit after the two parities' m x N blocks of each slot
+  // (kernels/tile_rs.h), a place that moves with the shape (runtime/ws_class.h).
+  return fc.run({slot_bytes, false, false, 0, /*exact=*/true}, output,
                 [&](FusedCall& c) -> std::string {
     const Peers& peers = c.peers();
     TileRsArgs a{};

@@ -14,12 +14,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <set>
 #include <tuple>
 #include <vector>
 
 #include "runtime/call_order.h"
 #include "runtime/capture.h"
 #include "runtime/gemm.h"
+#include "runtime/ws_class.h"
 #include "kernels/common.cuh"
 
 namespace jaxoverlap {
@@ -71,12 +73,14 @@ std::string take_error();
 // on every workspace, like a kernel's timeout record.
 void report_failure(const std::string& what);
 
-// Memory that every rank of a group can read and write: allocated once per (site, group, size)
-// on all member devices by the first member to arrive, and reused by every later call with the
-// same key. `site` is not a call-site counter: the lowering derives it from what every rank and
-// every process knows identically (op, shapes, dtype, settings; jaxoverlap/fused/call.py,
-// `_table_attrs`), so fresh jit wrappers and unrolled layers of one op share one workspace, and
-// memory grows with the number of distinct ops, not of compiled call sites.
+// Memory that every rank of a group can read and write: allocated once per pool key (ws_class.h:
+// the group, the size class of the call's block and its areas; the site too for an exact one) on
+// all member devices by the first member to arrive, and reused by every later call with the same
+// key. `site` is not a call-site counter: the lowering derives it from what every rank and every
+// process knows identically (op, shapes, dtype, settings; jaxoverlap/fused/call.py,
+// `_table_attrs`), so fresh jit wrappers and unrolled layers of one op share one workspace; the
+// size class makes calls of other shapes (a batch that varies) share it too, so memory grows
+// with the number of size classes, not of shapes (docs/workspaces.md).
 //
 // Ordering of the calls that share a workspace: on each device, every call waits for the
 // previous call's `done[rank]` (recorded on XLA's stream after its finish kernel) before it
@@ -102,13 +106,17 @@ void report_failure(const std::string& what);
 struct Workspace {
   int n = 0;
   std::vector<int> ordinals;      // by rank; < 0: a member in another process
-  int64_t block_bytes = 0;        // one rank's row block of the output
+  int64_t block_bytes = 0;        // a slot's bytes: the size class of its users' blocks
   Peers peers[kMaxRanks];         // the table each rank's kernels get (rank field differs)
   char* part[kMaxRanks] = {};     // GEMM partials of the n - 1 foreign blocks, per rank
   char* acc[kMaxRanks] = {};      // n > 2: sum of peers' contributions, per rank
   char* gather[kMaxRanks] = {};   // all-reduce: n - 1 slots of one block per rank (slot
                                   // stage_slot(src, rank, n)), the peers' reduced blocks
-  bool warmed[kMaxRanks] = {};    // touched only under that rank's DeviceRuntime::launch_mu
+  // Under rank r's DeviceRuntime::launch_mu: the site of its current call (set by workspace())
+  // and the sites whose warm-up ran on its device (fused_call.h: warm_up_now) -- per site, not per
+  // workspace: calls of other shapes share a workspace (ws_class.h) and load other GEMM kernels.
+  int64_t site_now[kMaxRanks] = {};
+  std::set<int64_t> warmed[kMaxRanks];
   cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
   uint32_t* abort = nullptr;      // host-mapped abort ring (Peers::abort, kAbortSlots words)
   // Calls issued per rank (under seq_mu). Every counted call runs the finish kernel exactly once,
@@ -146,25 +154,15 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
 // Gives up call number `index` of `ws` on every rank: raises its abort word (Peers::abort).
 void abort_call(Workspace* ws, uint32_t index);
 
-// The workspace of call kind `site` for `ordinals` (allocated on every member on first use).
-// A creation that fails fails the same call on every rank (`rank`: the caller's), never just one.
-// `with_gather`: also the second staging area `gather` (the GEMM + all-reduce).
+// The workspace of a call (site, `ordinals`, its block of `block_bytes`) from the pool: shared by
+// every call of the same group, size class and areas (ws_class.h: pool_key), or `exact`: its
+// own. Allocated on every member on first use; a creation that fails fails the same call on
+// every rank (`rank`: the caller's), never just one. `with_gather`: also the second staging
+// area `gather` (the GEMM + all-reduce). Records `site` as rank `rank`'s current call
+// (Workspace::site_now; the caller holds that rank's launch_mu).
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
                       int64_t block_bytes, bool with_partials, Workspace** out,
-                      bool with_gather = false);
-
-// The key of a workspace: what the lowering sends (site, group as in Workspace::ordinals) and
-// what the handler derives from its buffers.
-struct WsKey {
-  int64_t site;
-  std::vector<int> group;
-  int64_t block_bytes;
-  bool partials, gather;
-};
-inline bool operator<(const WsKey& a, const WsKey& b) {
-  return std::tie(a.site, a.group, a.block_bytes, a.partials, a.gather) <
-         std::tie(b.site, b.group, b.block_bytes, b.partials, b.gather);
-}
+                      bool with_gather = false, bool exact = false);
 
 // Cross-process set-up (xproc.cc) of the workspace `key` whose rank `rank` is this process's:
 // allocates that rank's buffers (once) and returns the CUDA IPC handles of its peer-visible ones
@@ -179,7 +177,7 @@ bool spanning_ready(const Workspace* ws);
 // process's device.
 std::string member_name(int ordinal);
 
-// Runs fn on the workspace slot of `key` under its set-up lock (creating the slot, not the
+// Runs fn on the slot of pool_key(key) (ws_class.h) under its set-up lock (creating the slot, not the
 // workspace): what xproc.cc builds cross-process workspaces with.
 std::string with_workspace_slot(const WsKey& key,
                                 const std::function<std::string(std::unique_ptr<Workspace>&)>& fn);

@@ -27,13 +27,26 @@ struct WsCell {
   bool owed[kMaxRanks] = {};
 };
 std::mutex g_mu;  // guards g_workspaces' structure only (look-up, insertion); no CUDA call under it
-std::map<WsKey, std::unique_ptr<WsCell>> g_workspaces;
+std::map<WsKey, std::unique_ptr<WsCell>> g_workspaces;  // by pool key (ws_class.h)
+int g_exact = 0;                                        // exact keys in g_workspaces
 
-WsCell* ws_cell(const WsKey& key) {
+// The cell of the pool key of `key`, created if new; "" or why not (too many exact workspaces).
+std::string ws_cell(const WsKey& key, WsCell** out) {
+  const WsKey pk = pool_key(key);
   std::lock_guard<std::mutex> lock(g_mu);
-  auto& c = g_workspaces[key];
-  if (!c) c = std::make_unique<WsCell>();
-  return c.get();
+  auto it = g_workspaces.find(pk);
+  if (it == g_workspaces.end()) {
+    if (pk.exact && g_exact >= kMaxExactWorkspaces)
+      return "this process already holds " + std::to_string(g_exact) + " workspaces of the tile "
+             "schedule, one per shape (its staging's layout depends on the shape, so shapes "
+             "cannot share one; docs/workspaces.md), the most it keeps. A loop over many shapes "
+             "(a varying batch) should use schedule='chunked' (Config(schedule=...)), whose "
+             "workspaces are shared by size class, or pad its batch to a few sizes";
+    g_exact += pk.exact;
+    it = g_workspaces.emplace(pk, std::make_unique<WsCell>()).first;
+  }
+  *out = it->second.get();
+  return "";
 }
 
 }  // namespace
@@ -149,7 +162,8 @@ bool spanning_ready(const Workspace* ws) {
 
 std::string with_workspace_slot(
     const WsKey& key, const std::function<std::string(std::unique_ptr<Workspace>&)>& fn) {
-  WsCell* c = ws_cell(key);
+  WsCell* c = nullptr;
+  if (std::string e = ws_cell(key, &c); !e.empty()) return e;
   std::lock_guard<std::mutex> lock(c->mu);
   return fn(c->obj);
 }
@@ -190,15 +204,18 @@ std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather
 
 std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
                       int64_t block_bytes, bool with_partials, Workspace** out,
-                      bool with_gather) {
+                      bool with_gather, bool exact) {
   // The process-wide lock covers the look-up only; set-up runs under this workspace's own lock,
   // so calls on other workspaces (and their hot paths) never wait for it.
-  WsCell* c = ws_cell(WsKey{site, ordinals, block_bytes, with_partials, with_gather});
+  const WsKey key{site, ordinals, block_bytes, with_partials, with_gather, exact};
+  WsCell* c = nullptr;
+  if (std::string e = ws_cell(key, &c); !e.empty()) return e;
   std::lock_guard<std::mutex> lock(c->mu);
   if (std::any_of(ordinals.begin(), ordinals.end(), [](int o) { return o < 0; })) {
     // Spanning processes: set up at lowering (xproc.cc), never here.
     if (c->obj && c->obj->local == rank && spanning_ready(c->obj.get())) {
       *out = c->obj.get();
+      (*out)->site_now[rank] = site;
       return "";
     }
     return "the workspace of this call spans processes and was not set up in this process "
@@ -214,7 +231,7 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
     auto ws = std::make_unique<Workspace>();
     ws->n = (int)ordinals.size();
     ws->ordinals = ordinals;
-    ws->block_bytes = block_bytes;
+    ws->block_bytes = pool_key(key).block_bytes;
     DeviceGuard guard;
     if (std::string err = outside_capture("creating a workspace", [&] {
           return create_workspace(ws.get(), with_partials, with_gather);
@@ -228,6 +245,7 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
     c->obj = std::move(ws);
   }
   *out = c->obj.get();
+  if (rank >= 0 && rank < kMaxRanks) (*out)->site_now[rank] = site;
   return "";
 }
 

@@ -44,7 +44,7 @@ std::string export_rank(const WsKey& key, int rank, std::string* handles) {
       auto ws = std::make_unique<Workspace>();
       ws->n = (int)key.group.size();
       ws->ordinals = key.group;
-      ws->block_bytes = key.block_bytes;
+      ws->block_bytes = pool_key(key).block_bytes;  // the slot this key shares (ws_class.h)
       ws->spans = true;
       ws->local = rank;
       // This member's device first: the abort words are the first allocation, and with no

@@ -106,10 +106,12 @@ struct FakeRuntime {
   }
   static Mutex& launch_mutex(Device* dev) { return dev->mu; }
   static std::string workspace(int64_t site, const std::vector<int>& group, int rank,
-                               int64_t block_bytes, bool partials, bool gather, Workspace** out) {
+                               int64_t block_bytes, bool partials, bool gather, bool exact,
+                               Workspace** out) {
     log("workspace site=" + std::to_string(site) + " group=" + join_ints(group) + " rank=" +
         std::to_string(rank) + " bytes=" + std::to_string(block_bytes) + " partials=" +
-        std::to_string(partials) + " gather=" + std::to_string(gather));
+        std::to_string(partials) + " gather=" + std::to_string(gather) +
+        (exact ? " exact=1" : ""));
     *out = &g_ws;
     return g_script.workspace_fails ? "out of memory" : "";
   }
@@ -180,7 +182,7 @@ struct Table {
 // One handler call on `device`: check, the handler's own check, run with `uses`; the schedule
 // forks, launches, and fails with `fail` if given.
 void handler(int device, const Table& t, unsigned uses, const char* fail = nullptr,
-             double timeout_s = 5.0, int64_t stall_rank = -1) {
+             double timeout_s = 5.0, int64_t stall_rank = -1, bool exact = false) {
   g_device = device;
   FusedCall::Call call{100 + device, device,
                        {/*site=*/42, t.ordinals, t.ranks, t.groups, /*n=*/2, /*comm_sms=*/16,
@@ -193,7 +195,7 @@ void handler(int device, const Table& t, unsigned uses, const char* fail = nullp
     if (!result.failure()) {
       log("handler checks rank=" + std::to_string(fc.rank()));
       FakeOutput out{10 + device};
-      result = fc.run({4096, true, false, uses}, out, [&](FusedCall& c) -> std::string {
+      result = fc.run({4096, true, false, uses, exact}, out, [&](FusedCall& c) -> std::string {
         log("schedule rank=" + std::to_string(c.rank()) + " n=" + std::to_string(c.n()) +
             " timeout_ns=" + std::to_string(c.timeout_ns()) + " streams=" +
             streams_name(c.streams()));
@@ -226,7 +228,8 @@ int main(int argc, char** argv) {
   } else if (s == "two_processes_one_device") {
     handler(0, two_processes, ce);
   } else if (s == "tile") {
-    handler(0, one_process, 0);  // the tile schedule: no partition, no copy engine
+    // The tile schedule: no partition, no copy engine, a workspace of its own shape (exact).
+    handler(0, one_process, 0, nullptr, 5.0, -1, /*exact=*/true);
   } else if (s == "given_up") {
     g_script.misordered = true;
     handler(0, one_process, sm);
