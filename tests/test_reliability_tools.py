@@ -33,7 +33,7 @@ LOG = """========= COMPUTE-SANITIZER
 def test_sanitizer_log_attribution():
     found = sanitize.findings(LOG)
     assert [k for _, k in found] == [
-        "jaxoverlap::tile_kernel(int*)",
+        "jaxoverlap::tile_kernel(int*) @ tile_rs.cuh:12",  # the source line, where given
         "nvjet_sm90_tst_128x256",
         "jaxoverlap::ce_wait_arrival(unsigned int*)",
         "nvjet_sm90_tst_64x96_64x10_4x2_h_bz_NNT",

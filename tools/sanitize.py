@@ -2,7 +2,8 @@
 tests/gpu/xproc_worker.py (one GPU each, or both sharing one GPU), each under the sanitizer.
 
     python tools/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck] [--mode ops]
-                             [--out DIR] [--deadline-s 480]
+                             [--out DIR] [--deadline-s 480] [--only TAGS] [--kernels SUBSTR]
+                             [--tag NAME] [--extra "FLAGS"]
 
 Per tool, both processes run the worker's MODE (``ops``: every fused op, the tile schedule, the
 copy-engine and all-reduce handlers, the gathers along K; ``train``: the training path) with
@@ -10,7 +11,14 @@ copy-engine and all-reduce handlers, the gathers along K; ``train``: the trainin
 finding is attributed to the kernel it names; findings in kernels matched by
 tools/sanitizer_exclude.txt (cuBLASLt's, each with its reason) are counted apart. Prints one
 line per (tool, process) and ``SANITIZE: PASSED`` when no finding is left in jaxoverlap's own
-kernels and every case of the worker reported OK; exit status 0 then.
+kernels and every case of the worker reported OK; exit status 0 then. Each finding is named by
+its kernel and, where the sanitizer gives one (the kernels are built with -lineinfo), its source
+line: an exclusion may name either (``kernel @ file:line``).
+
+``--only``: the worker's cases by tag (XPROC_ONLY). ``--kernels``: instrument only kernels whose
+name contains this substring (``--kernel-name kns=...``; the others run uninstrumented): racecheck
+instruments ``jaxoverlap`` only by default -- cuBLASLt's kernels fully instrumented take ~10
+minutes, and excluding them by ``--kernel-name-exclude`` crashed the sanitizer (run 56).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ SANITIZER_FLAGS = {
     # cuBLASLt's kernels are not instrumented under racecheck (--kernel-name-exclude): their
     # shared memory is ordered by mbarriers, which racecheck does not model (run 31: every
     # hazard was in them), and instrumenting them makes a run of the ops take ~10 minutes.
-    "racecheck": ["--racecheck-report", "hazard", "--kernel-name-exclude", "kns=nvjet"],
+    "racecheck": ["--racecheck-report", "hazard"],
     "synccheck": [],
     "initcheck": [],
 }
@@ -49,15 +57,26 @@ def exclusions(path=EXCLUDE):
     return out
 
 
+# Kernels instrumented per tool unless --kernels says otherwise (None: all).
+KERNELS = {"racecheck": "jaxoverlap"}
+
+
 def _name(text):
     """The function named by ``at <name>+0x...`` (return type dropped)."""
     text = text.split("+0x", 1)[0].split(" in /", 1)[0].strip()
     return text[5:] if text.startswith("void ") else text
 
 
+def _source(text):
+    """`` @ file:line`` of a report line that gives one (``... in /path/file.cu:123``), else ""."""
+    m = re.search(r" in (?:\S*/)?([^/\s]+:\d+)", text)
+    return f" @ {m.group(1)}" if m else ""
+
+
 def findings(log_text):
-    """[(kind, where)] of one sanitizer log: each report's first line and the kernel it names
-    (for an API error -- ``kind`` starts with "Program hit" -- its first host frame)."""
+    """[(kind, where)] of one sanitizer log: each report's first line and the kernel it names,
+    with its source line where given (for an API error -- ``kind`` starts with "Program hit" --
+    its first host frame)."""
     found, kind = [], None
     start = re.compile(r"(Invalid |Uninitialized |Error: |Race reported|Barrier |Program hit )")
     for line in log_text.splitlines():
@@ -71,14 +90,15 @@ def findings(log_text):
                 found.append((kind, "?"))
             kind = body
             if " access at " in body:  # racecheck names the kernel on its first line
-                found.append((kind, _name(body.split(" access at ", 1)[1])))
+                at = body.split(" access at ", 1)[1]
+                found.append((kind, _name(at) + _source(at)))
                 kind = None
             continue
         if kind is None:
             continue
         at = re.search(r"(?:^|\s)at (.+?\+0x)", body)  # "at K+0x..", "Read Thread (..) at K+0x.."
         if at:
-            found.append((kind, _name(at.group(1))))
+            found.append((kind, _name(at.group(1)) + _source(body)))
             kind = None
         elif body.startswith("Host Frame:") and kind.startswith("Program hit"):
             found.append((kind, body[len("Host Frame:") :].strip()))
@@ -103,7 +123,7 @@ def classify(found, rules):
     return ours, excluded, api
 
 
-def run_tool(tool, mode, out, deadline_s, timeout_s):
+def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=()):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,14 +141,20 @@ def run_tool(tool, mode, out, deadline_s, timeout_s):
         "JAXOVERLAP_SETUP_TIMEOUT_S": str(max(300, timeout_s)),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0",
         "NCCL_NVLS_ENABLE": "0",
+        "XPROC_ONLY": only,
     }
+    kernels = KERNELS.get(tool) if kernels is None else kernels
+    flags = [*SANITIZER_FLAGS[tool], *(["--kernel-name", f"kns={kernels}"] if kernels else [])]
     procs, logs, files = [], [], []
     for p in range(2):
-        log = os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.log")
-        stdout = open(os.path.join(out, f"sanitize-{tool}-{mode}-p{p}.out"), "w")
+        name = f"sanitize-{tool}{'-' + tag if tag else ''}-{mode}-p{p}"
+        log = os.path.join(out, f"{name}.log")
+        stdout = open(os.path.join(out, f"{name}.out"), "w")
         cmd = [exe, "--tool", tool, "--target-processes", "all", "--print-limit", "200",
-               "--log-file", log, *SANITIZER_FLAGS[tool],
+               "--log-file", log, *flags, *extra,
                sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode]  # fmt: skip
+        if p == 0:
+            print("$", " ".join(cmd), flush=True)
         procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env))
         files.append(stdout)
         logs.append((log, stdout.name))
@@ -153,12 +179,19 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "sanitize_logs"))
     ap.add_argument("--deadline-s", type=float, default=480.0, help="per tool")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="Config.timeout_s")
+    ap.add_argument("--only", default="", help="the worker's cases by tag, comma-separated")
+    ap.add_argument("--kernels", default=None, help="instrument only kernels containing this")
+    ap.add_argument("--tag", default="", help="a name for this run's log files")
+    ap.add_argument("--extra", default="", help="more compute-sanitizer flags (one string)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     rules = exclusions()
     ok = True
     for tool in a.tools.split(","):
-        logs, timed_out, dt = run_tool(tool, a.mode, a.out, a.deadline_s, a.timeout_s)
+        logs, timed_out, dt = run_tool(
+            tool, a.mode, a.out, a.deadline_s, a.timeout_s, a.only, a.kernels, a.tag,
+            a.extra.split(),
+        )  # fmt: skip
         for p, (log, stdout) in enumerate(logs):
             text = open(log).read() if os.path.exists(log) else ""
             printed = open(stdout).read()
@@ -167,17 +200,24 @@ def main(argv=None):
             ours, excluded, api = classify(findings(text), rules)
             summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
             line_ok = not ours and not failed and cases and not timed_out
-            ok &= bool(line_ok)
             print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
                   f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, sanitizer summary "
                   f"{'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
                   f"{sum(excluded.values())}, host API errors {len(api)}", flush=True)  # fmt: skip
+            crashed = re.findall(r"Internal Sanitizer Error[^\n]*", text)
+            for c in crashed[:2]:
+                print(f"    SANITIZER: {c[:160]}")
+            line_ok = line_ok and not crashed
+            ok &= bool(line_ok)
             for reason, count in excluded.items():
                 print(f"    excluded {count}: {reason[:100]}")
             for kind, frame in api[:3]:
                 print(f"    API: {kind[:140]} ({frame})")
-            for kind, kernel in ours[:10]:
-                print(f"    OURS: {kernel}: {kind[:160]}")
+            by_line = {}
+            for kind, kernel in ours:
+                by_line.setdefault(kernel, []).append(kind)
+            for kernel, kinds in list(by_line.items())[:20]:
+                print(f"    OURS x{len(kinds)}: {kernel}: {kinds[0][:160]}")
             for c in failed[:5]:
                 print(f"    FAILED case: {c}")
     print("SANITIZE:", "PASSED" if ok else "FAILED", flush=True)

@@ -45,9 +45,10 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=480.0, help="whole run (processes)")
     p.add_argument(
         "--memory",
-        metavar="FRESH,SIZES",
-        help="instead: device memory over FRESH new jit call sites of 4 shapes, then SIZES call "
-        "sites of distinct batch sizes (two processes; issue 25 item 4)",
+        metavar="FRESH,SIZES[,MIB]",
+        help="instead: device memory over FRESH new jit call sites of 4 shapes (flat), then SIZES "
+        "call sites of distinct batch sizes (growth below MIB, default 1024; two processes; "
+        "issue 25 item 4, docs/workspaces.md)",
     )
     a = p.parse_args(argv)
     if a.processes:

@@ -185,11 +185,13 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     return 0 if ok else 1
 
 
-def memory_worker(process, nproc, port, gpu, fresh, sizes):
+def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024):
     """Issue 25 item 4: device memory as call sites multiply. Phase 1: ``fresh`` new jit
     wrappers (each lowered and compiled anew) over 4 shapes of the fused reduce-scatter: memory
     must stay flat after the first of each shape. Phase 2: ``sizes`` call sites, each a new
-    batch size (rows 256 * i): how memory grows with the number of distinct shapes."""
+    batch size (rows 256 * i): memory must grow by less than ``bound_mib`` MiB (the whole GPU's,
+    both processes; docs/workspaces.md: workspaces shared by size class hold ~2 x 112 MiB per
+    process at 200 sizes, one workspace per shape would hold ~2 x 2.5 GiB)."""
     import jax
 
     jax.distributed.initialize(
@@ -245,11 +247,14 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes):
           f"(call sites:MiB {growth})", flush=True)  # fmt: skip
     jaxoverlap.check_errors()
     flat = mem1 - mem0 < 64 * 2**20
-    print(f"MEMORY process {process}: fresh call sites {'flat' if flat else 'GREW'}", flush=True)
+    bounded = mem2 - mem1 < bound_mib * 2**20
+    print(f"MEMORY process {process}: fresh call sites {'flat' if flat else 'GREW'}; "
+          f"{sizes} batch sizes {'bounded' if bounded else 'GREW'} (bound {bound_mib} MiB)",
+          flush=True)  # fmt: skip
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("memory/done", 120_000)
-    return 0 if flat else 1
+    return 0 if flat and bounded else 1
 
 
 def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None):
@@ -277,8 +282,8 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None
     if memory is None:
         rest = [str(calls), str(steps), str(timeout_s), backend]
         argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    else:  # the memory probe: FRESH call sites, then SIZES batch sizes
-        rest = [str(memory[0]), str(memory[1])]
+    else:  # the memory probe: FRESH call sites, then SIZES batch sizes[, the bound in MiB]
+        rest = [str(v) for v in memory]
         argv = [sys.executable, os.path.abspath(__file__), "--memory-worker"]
     procs = [
         subprocess.Popen([*argv, str(p), str(nproc), str(port), str(p % gpus), *rest], env=env)
@@ -306,7 +311,7 @@ if __name__ == "__main__" and sys.argv[1:2] in (["--worker"], ["--memory-worker"
         if sys.argv[1] == "--worker":
             rc = worker(*map(int, a[:6]), float(a[6]), a[7])
         else:
-            rc = memory_worker(*map(int, a[:6]))
+            rc = memory_worker(*map(int, a))
     finally:
         sys.stdout.flush()
         os._exit(rc)
