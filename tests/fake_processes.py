@@ -37,6 +37,7 @@ class FakeKV:
 class FakeNative:
     def __init__(self, process):
         self.exports, self.imports = [], []
+        self.exact = {}  # site -> the exact flags its exports and imports were made with
         self.process = process
 
     def devices(self):  # ordinals 0, 1 of process p are global ids p, p + 2
@@ -44,10 +45,12 @@ class FakeNative:
 
     def ws_export(self, site, group, block_bytes, partials, gather, rank, exact):
         self.exports.append((group, block_bytes, partials, gather, rank))
+        self.exact.setdefault(site, set()).add(exact)
         return bytes([rank]) * xproc_ipc_bytes()
 
     def ws_import(self, site, group, block_bytes, partials, gather, peer, handles, exact):
         self.imports.append((group, block_bytes, partials, gather, peer, handles[:1]))
+        self.exact.setdefault(site, set()).add(exact)
 
 
 def two_processes(monkeypatch):

@@ -122,9 +122,11 @@ def spanning(monkeypatch):
     return mesh, lambda p: as_process(monkeypatch, p)
 
 
-def _lower(mesh):
+def _lower(mesh, config=None):
+    config = config or Config(backend="fused")
+
     def body(x, w):
-        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=Config(backend="fused"))
+        return jaxoverlap.matmul_reduce_scatter(x, w, "tp", config=config)
 
     f = jax.jit(
         jax.shard_map(
@@ -171,6 +173,20 @@ def test_lowering_maps_the_workspace_with_the_same_names_in_every_process(spanni
     assert {k.rsplit("/", 1)[0] for k in published[0]} == {k.rsplit("/", 1)[0] for k in asked[1]}
     assert all(k.endswith("/0") for k in published[0]) and all(k.endswith("/0") for k in asked[1])
     assert {k.rsplit("/", 1)[0] for k in published[1]} == {k.rsplit("/", 1)[0] for k in asked[0]}
+
+
+def test_the_tile_schedule_maps_an_exact_workspace_the_others_one_by_size_class(spanning):
+    """Both sides of a spanning workspace pick the same pool entry (ffi/runtime/ws_class.h): the
+    handler shares the workspace by size class unless its Spec is exact (the tile schedule), and
+    the lowering must map it with the same flag, or the processes would pair different buffers."""
+    mesh, as_process = spanning
+    native, _ = as_process(0)
+    _lower(mesh)
+    assert native.exact and all(v == {False} for v in native.exact.values())
+    native.exact.clear()
+    text = _lower(mesh, Config(backend="fused", schedule="tile"))
+    assert f"@{fused.GEMM_RS_TILE_TARGET}" in text
+    assert native.exact and all(v == {True} for v in native.exact.values())
 
 
 def test_a_pcie_pair_across_processes_takes_xla(spanning, monkeypatch):
