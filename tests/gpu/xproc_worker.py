@@ -197,11 +197,11 @@ def main(process, nproc, port, gpu, mode):
         xproc_training.run(mesh, arr)
     elif mode == "graphs":
         run_graphs(mesh, arr, process, dump)
-    else:  # ops: each fused op (forward), every case reported (XPROC_ONLY: these tags only).
+    else:  # ops: each fused op (forward), every case reported (XPROC_ONLY: these, in this order).
+        by_tag = {c[0]: c for c in cases}
         only = [t for t in os.environ.get("XPROC_ONLY", "").split(",") if t]
-        for case in cases:
-            if not only or case[0] in only:
-                check(*case)
+        for tag in only or by_tag:
+            check(*by_tag[tag])
         report_gemm_search(gpu)
     # Process 0 hosts the coordinator: its exit would stop the others before they report.
     from jax._src import distributed
