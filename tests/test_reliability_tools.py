@@ -63,3 +63,16 @@ def test_stress_across_two_processes_cpu():
     assert r.returncode == 0, out[-4000:]
     assert out.count("STRESS-XPROC process") == 2 and "STRESS-XPROC: PASSED" in out, out[-3000:]
     assert out.count("site rs_tile:") == 2 and "MISMATCH" not in out
+
+
+def test_memory_probe_across_two_processes_cpu():
+    """tools/stress.py --memory's harness on two CPU processes (reference path, gloo): fresh call
+    sites, then distinct batch sizes, every call's values checked (the device memory it measures
+    on a GPU is issue 25's; here the arrays, the programs and the barrier)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "stress.py"), "--processes", "2",
+           "--cpu-smoke", "--memory", "1,2", "--deadline-s", "150"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("7 calls, 0 wrong") == 2, out.stdout[-2000:]
+    assert "MEMORY: PASSED" in out.stdout

@@ -220,6 +220,11 @@ def main(argv=None):
                 print(f"    OURS x{len(kinds)}: {kernel}: {kinds[0][:160]}")
             for c in failed[:5]:
                 print(f"    FAILED case: {c}")
+            if not line_ok:  # why, for a run whose log files do not come back
+                tail = [ln for ln in printed.splitlines() if ln.strip()][-6:]
+                errors = [ln for ln in text.splitlines() if "rror" in ln][:4]
+                for ln in tail + errors:
+                    print(f"    | {ln[:200]}")
     print("SANITIZE:", "PASSED" if ok else "FAILED", flush=True)
     return 0 if ok else 1
 

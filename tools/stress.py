@@ -58,7 +58,9 @@ def main(argv=None) -> int:
         backend = "xla" if a.cpu_smoke else "fused"
         if a.memory:
             memory = tuple(int(v) for v in a.memory.split(","))
-            return stress_xproc.run(a.processes, 0, 0, 0, a.deadline_s, memory=memory)
+            return stress_xproc.run(
+                a.processes, 0, 0, 0, a.deadline_s, backend=backend, memory=memory
+            )
         return stress_xproc.run(
             a.processes, a.calls or (200 if a.cpu_smoke else 10_000), a.steps if a.steps != 25
             else 10, a.timeout_s, a.deadline_s, backend=backend,

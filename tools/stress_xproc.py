@@ -185,20 +185,28 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     return 0 if ok else 1
 
 
-def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024):
+def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024, backend="fused"):
     """Issue 25 item 4: device memory as call sites multiply. Phase 1: ``fresh`` new jit
     wrappers (each lowered and compiled anew) over 4 shapes of the fused reduce-scatter: memory
     must stay flat after the first of each shape. Phase 2: ``sizes`` call sites, each a new
     batch size (rows 256 * i): memory must grow by less than ``bound_mib`` MiB (the whole GPU's,
     both processes; docs/workspaces.md: workspaces shared by size class hold ~2 x 112 MiB per
-    process at 200 sizes, one workspace per shape would hold ~2 x 2.5 GiB)."""
+    process at 200 sizes, one workspace per shape would hold ~2 x 2.5 GiB). Every call's shard is
+    checked: x filled with a value that changes from site to site, w with ones, so each element
+    is K times that value, exactly -- data left by another site's call (sites of other shapes
+    share workspaces now) would show. ``backend="xla"``: the harness on CPU processes (tests)."""
     import jax
 
+    cpu = backend == "xla"
+    if cpu:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_num_cpu_devices", 1)
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=nproc,
         process_id=process,
-        local_device_ids=[gpu],
+        local_device_ids=None if cpu else [gpu],
         initialization_timeout=120,
     )
     import jax.numpy as jnp
@@ -209,12 +217,26 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024):
     from jaxoverlap import runtime
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    cfg = jaxoverlap.Config(backend="fused", timeout_s=60.0)
+    cfg = jaxoverlap.Config(backend=backend, timeout_s=60.0)
     spec_x, spec_w, spec_o = P(None, "tp"), P("tp", None), P("tp", None)
+    calls, wrong = 0, []
+
+    def filled(shape, value, spec):
+        """The global array of ``shape`` filled with ``value``, built from this process's shards
+        only (no collective: jax.device_put of a process-local array to a spanning sharding
+        would run one, and NCCL refuses two ranks on one GPU)."""
+
+        def shard(idx):
+            dims = [len(range(*i.indices(d))) for i, d in zip(idx, shape, strict=True)]
+            return np.full(dims, value, jnp.bfloat16)
+
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), shard)
 
     def site(m, k, n):
-        x = jax.device_put(jnp.ones((m, k), jnp.bfloat16), NamedSharding(mesh, spec_x))
-        w = jax.device_put(jnp.ones((k, n), jnp.bfloat16), NamedSharding(mesh, spec_w))
+        nonlocal calls
+        value = 1.0 + (calls % 8) / 8  # exact in bf16, and so is k * value for k <= 2048
+        calls += 1
+        x, w = filled((m, k), value, spec_x), filled((k, n), 1.0, spec_w)
         f = jax.jit(
             jax.shard_map(
                 lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp", config=cfg),
@@ -223,38 +245,44 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024):
                 out_specs=spec_o,
             )
         )
-        jax.block_until_ready(f(x, w))
+        (shard,) = f(x, w).addressable_shards
+        got = np.asarray(shard.data, np.float32)
+        if not (got == k * value).all():
+            wrong.append((m, k, n, value, float(np.max(np.abs(got - k * value)))))
+
+    def in_use():
+        return 0 if cpu else runtime.memory_in_use(gpu)
 
     shapes = [(1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 1024), (4096, 512, 512)]
     for s in shapes:
         site(*s)
-    mem0 = runtime.memory_in_use(gpu)
+    mem0 = in_use()
     t0 = time.time()
     for i in range(fresh):
         site(*shapes[i % len(shapes)])
-    mem1 = runtime.memory_in_use(gpu)
+    mem1 = in_use()
     print(f"process {process}: {fresh} fresh call sites over 4 shapes in {time.time() - t0:.0f} s: "
           f"memory {mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB", flush=True)  # fmt: skip
-    t0, marks = time.time(), []
+    t0, marks = time.time(), [(0, mem1)]
     for i in range(1, sizes + 1):
         site(256 * i, 512, 512)
         if i % max(1, sizes // 8) == 0 or i == sizes:
-            marks.append((i, runtime.memory_in_use(gpu)))
+            marks.append((i, in_use()))
     mem2 = marks[-1][1]
-    growth = " ".join(f"{i}:{(m - mem1) / 2**20:.0f}" for i, m in marks)
+    growth = " ".join(f"{i}:{(m - mem1) / 2**20:.0f}" for i, m in marks[1:])
     print(f"process {process}: {sizes} batch sizes (rows 256..{256 * sizes}, K 512, N 512) in "
           f"{time.time() - t0:.0f} s: memory grew {(mem2 - mem1) / 2**20:.0f} MiB "
           f"(call sites:MiB {growth})", flush=True)  # fmt: skip
     jaxoverlap.check_errors()
     flat = mem1 - mem0 < 64 * 2**20
     bounded = mem2 - mem1 < bound_mib * 2**20
-    print(f"MEMORY process {process}: fresh call sites {'flat' if flat else 'GREW'}; "
-          f"{sizes} batch sizes {'bounded' if bounded else 'GREW'} (bound {bound_mib} MiB)",
-          flush=True)  # fmt: skip
+    print(f"MEMORY process {process}: {calls} calls, {len(wrong)} wrong {wrong[:3]}; fresh call "
+          f"sites {'flat' if flat else 'GREW'}; {sizes} batch sizes "
+          f"{'bounded' if bounded else 'GREW'} (bound {bound_mib} MiB)", flush=True)  # fmt: skip
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("memory/done", 120_000)
-    return 0 if flat and bounded else 1
+    return 0 if flat and bounded and not wrong else 1
 
 
 def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None):
@@ -283,7 +311,7 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None
         rest = [str(calls), str(steps), str(timeout_s), backend]
         argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     else:  # the memory probe: FRESH call sites, then SIZES batch sizes[, the bound in MiB]
-        rest = [str(v) for v in memory]
+        rest = [*(str(v) for v in memory), backend]
         argv = [sys.executable, os.path.abspath(__file__), "--memory-worker"]
     procs = [
         subprocess.Popen([*argv, str(p), str(nproc), str(port), str(p % gpus), *rest], env=env)
@@ -311,7 +339,7 @@ if __name__ == "__main__" and sys.argv[1:2] in (["--worker"], ["--memory-worker"
         if sys.argv[1] == "--worker":
             rc = worker(*map(int, a[:6]), float(a[6]), a[7])
         else:
-            rc = memory_worker(*map(int, a))
+            rc = memory_worker(*map(int, a[:-1]), backend=a[-1])
     finally:
         sys.stdout.flush()
         os._exit(rc)
