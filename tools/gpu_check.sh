@@ -177,7 +177,7 @@ if ((MEMORY)); then
   # FRESH jit call sites over 4 shapes must stay flat, SIZES batch sizes grow less than MIB
   # (workspaces shared by size class, docs/workspaces.md); every call's values checked.
   # ~0.5-1 s a call site on one H200 (two processes); GPU_CHECK_MEMORY=FRESH,SIZES[,MIB].
-  step memory 150 "$PY" tools/stress.py --processes 2 --memory "${GPU_CHECK_MEMORY:-48,64}" \
+  step memory 150 "$PY" tools/stress.py --processes 2 --memory "${GPU_CHECK_MEMORY:-32,64,512}" \
     --deadline-s 140
 fi
 if [[ -n $SANITIZE ]]; then
