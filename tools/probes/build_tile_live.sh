@@ -15,11 +15,13 @@ OUT=build/probes
 mkdir -p "$OUT/obj-tile_live"
 obj=$BUILD/CMakeFiles/_native.dir/ffi
 objs=("$obj"/kernels/tile_rs_e*_w*.cu.o "$obj"/kernels/tile_rs.cu.o "$obj"/kernels/comm.cu.o
-      "$obj"/kernels/fill.cu.o "$obj"/runtime/gemm.cc.o "$obj"/runtime/capture.cc.o
-      "$obj"/runtime/tile_menu.cc.o)
-for o in "${objs[@]}"; do [[ -f $o ]] || { echo "missing $o: build the native extension first"; exit 1; }; done
+      "$obj"/kernels/fill.cu.o "$obj"/kernels/ce.cu.o "$obj"/runtime/gemm.cc.o
+      "$obj"/runtime/capture.cc.o "$obj"/runtime/tile_menu.cc.o)
+for o in "${objs[@]}"; do
+  [[ -f $o ]] || { echo "missing $o: build the native extension first"; exit 1; }
+done
 nvcc -std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Iffi \
   "-I$CUBLAS_ROOT/include" -x cu -c tools/probes/tile_live.cu -o "$OUT/obj-tile_live/tile_live.o"
 nvcc -shared -gencode=arch=compute_90a,code=sm_90a "$OUT/obj-tile_live/tile_live.o" "${objs[@]}" \
-  -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 -Xlinker -rpath='$ORIGIN' -o "$OUT/libtile_live.so"
+  -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 -Xlinker --no-undefined -o "$OUT/libtile_live.so"
 echo "built $OUT/libtile_live.so"

@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ce.h"
 #include "kernels/comm.h"
 #include "kernels/fill.h"
 #include "kernels/tile_rs.h"
@@ -108,11 +109,15 @@ __global__ void canary_fill_w(__nv_bfloat16* w, int64_t K, int64_t N, int col_ma
     w[i] = __float2bfloat16(k == j / kFlagCols ? 1.f : 0.f);
   }
 }
-// Comm kernel inputs: src[blk * elems + i] = f(e, src, blk, i / 1024).
-__global__ void canary_fill_blocks(__nv_bfloat16* p, int n, int64_t elems, uint32_t e, int src) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * elems;
-       i += (int64_t)gridDim.x * blockDim.x)
-    p[i] = __float2bfloat16((float)canary_value(e, src, (int)(i / elems), (i % elems) / 1024));
+// Comm and copy-engine inputs: elements [offset, offset + count) of a source's n row blocks of
+// `elems` each, p[i] = f(e, src, block, (index in the block) / 1024).
+__global__ void canary_fill_blocks(__nv_bfloat16* p, int64_t count, int64_t elems, int64_t offset,
+                                   uint32_t e, int src) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t q = offset + i;
+    p[i] = __float2bfloat16((float)canary_value(e, src, (int)(q / elems), (q % elems) / 1024));
+  }
 }
 
 struct Miss {
@@ -264,6 +269,7 @@ int tl_init() {
   for (int e = 0; e < tile_rs_menu_size(); ++e)
     for (bool wc : {false, true}) CK(preload_tile_entry(e, wc));
   CK(preload_comm_kernels());
+  CK(preload_ce_kernels());
   cudaFuncAttributes attr;
   const void* fns[] = {(const void*)delay_kernel,       (const void*)finish_kernel,
                        (const void*)finish_emulated,    (const void*)canary_fill_x,
@@ -304,7 +310,8 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
   CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
   CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
   const int sms = half_sms(), E = tile_rs_menu_size();
-  int per_delay[3] = {}, per_entry[8] = {}, wcol_calls = 0;
+  int per_delay[3] = {}, wcol_calls = 0;
+  std::vector<int> per_entry(E, 0);
   const auto t0 = std::chrono::steady_clock::now();
   for (int c = 0; c < calls; ++c) {
     const uint32_t e = (uint32_t)c + 1u;  // the flags' epoch before call c is c
@@ -386,7 +393,8 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
     }
     for (int r = 0; r < n; ++r) {
       if (r == 1) delay_kernel<<<1, 1, 0, s[r]>>>(kDelaysUs[d] * 1000ull);
-      canary_fill_blocks<<<grid_for(n * elems), 256, 0, s[r]>>>(src[r], n, elems, e, r);
+      canary_fill_blocks<<<grid_for(n * elems), 256, 0, s[r]>>>(src[r], n * elems, elems, 0, e,
+                                                                 r);
       CommArgs a{};
       a.peers.n = n, a.peers.rank = r, a.peers.device = 0;
       for (int i = 0; i < n; ++i) a.peers.stage[i] = stage[i], a.peers.flags[i] = flags[i];
@@ -430,6 +438,112 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
     cudaFree(src[r]), cudaFree(out[r]), cudaFree(stage[r]), cudaFree(flags[r]);
     cudaStreamDestroy(s[r]);
   }
+  cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb);
+  return bad;
+}
+
+// The copy-engine pushes of the fused GEMM + reduce-scatter (handlers/gemm_rs_ce.cc's protocol,
+// n = 2) as two in-process ranks, each with its main stream and a copy stream: main: a fill
+// stands in for the GEMM of the peer's block (chunk by chunk, an event each) and of the own
+// block; copy: the bounded wait for the peer's slot, per chunk the push (cudaMemcpyAsync into
+// the peer's staging) and the arrival flag; main: per chunk the wait for the peer's arrival and
+// the sum own + peer (launch_sum_blocks: f32, one rounding; the handler's GEMM with C = the
+// slot), the slot release, the join with the copy stream, the finish. Returns the wrong elements.
+long long tl_canary_ce(int calls, long long elems, int chunks, int join_every) {
+  constexpr int n = 2;
+  const int64_t block_bytes = elems * 2, chunk_elems = elems / chunks;
+  __nv_bfloat16 *part[n], *own[n], *out[n];
+  char* stage[n];
+  Flags* flags[n];
+  cudaStream_t s[n], cp[n];
+  std::vector<cudaEvent_t> ev(n * (chunks + 2));
+  for (auto& e : ev) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  HostWords hw;
+  for (int r = 0; r < n; ++r) {
+    CK(cudaMalloc(&part[r], block_bytes));
+    CK(cudaMalloc(&own[r], block_bytes));
+    CK(cudaMalloc(&out[r], block_bytes));
+    CK(cudaMalloc(&stage[r], (n - 1) * block_bytes));
+    CK(cudaMemset(stage[r], 0, (n - 1) * block_bytes));
+    CK(cudaMalloc(&flags[r], sizeof(Flags)));
+    CK(cudaMemset(flags[r], 0, sizeof(Flags)));
+    CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&cp[r], cudaStreamNonBlocking));
+  }
+  Miss* miss;
+  CK(cudaHostAlloc(&miss, sizeof(Miss), cudaHostAllocMapped));
+  std::memset(miss, 0, sizeof(Miss));
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t ea, eb;
+  CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
+  const uint64_t timeout = 10ull * 1000 * 1000 * 1000;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool gave_up = false;
+  for (int c = 0; c < calls && !gave_up; ++c) {
+    const uint32_t e = (uint32_t)c + 1u;
+    if (join_every > 0 && c % join_every == 0) {
+      CK(cudaEventRecord(ea, s[0]));
+      CK(cudaStreamWaitEvent(s[1], ea));
+      CK(cudaEventRecord(eb, s[1]));
+      CK(cudaStreamWaitEvent(s[0], eb));
+    }
+    for (int r = 0; r < n; ++r) {
+      const int j = 1 - r;
+      cudaEvent_t* my = &ev[r * (chunks + 2)];
+      Peers pr{};
+      pr.n = n, pr.rank = r, pr.device = 0;
+      for (int i = 0; i < n; ++i) pr.stage[i] = stage[i], pr.flags[i] = flags[i];
+      pr.abort = hw.abort;
+      if (r == 1) delay_kernel<<<1, 1, 0, s[r]>>>(kDelaysUs[c % 3] * 1000ull);
+      CK(cudaEventRecord(my[chunks], s[r]));  // the fork
+      CK(cudaStreamWaitEvent(cp[r], my[chunks]));
+      CK(launch_ce_wait_slot_free(pr, j, kOpGemmRs, timeout, hw.err, cp[r]));
+      char* dst = stage[j] + stage_slot(r, j, n) * block_bytes;
+      for (int k = 0; k < chunks; ++k) {  // the "GEMM" of the peer's block, chunk k, then its push
+        __nv_bfloat16* d = part[r] + k * chunk_elems;
+        const int64_t at = j * elems + k * chunk_elems;
+        canary_fill_blocks<<<grid_for(chunk_elems), 256, 0, s[r]>>>(d, chunk_elems, elems, at, e, r);
+        CK(cudaEventRecord(my[k], s[r]));
+        CK(cudaStreamWaitEvent(cp[r], my[k]));
+        CK(cudaMemcpyAsync(dst + k * chunk_elems * 2, d, chunk_elems * 2, cudaMemcpyDefault,
+                           cp[r]));
+        CK(launch_ce_signal_arrival(pr, j, k, -1, cp[r]));
+      }
+      canary_fill_blocks<<<grid_for(elems), 256, 0, s[r]>>>(own[r], elems, elems, r * elems, e, r);
+      for (int k = 0; k < chunks; ++k) {
+        CK(launch_ce_wait_arrival(pr, j, k, kOpGemmRs, timeout, hw.err, s[r]));
+        CK(launch_sum_blocks(out[r] + k * chunk_elems, own[r] + k * chunk_elems,
+                             stage[r] + k * chunk_elems * 2, 1, elems, chunk_elems,
+                             DType::kBF16, 16, s[r]));
+      }
+      CK(launch_release_slots(pr, s[r]));
+      CK(cudaEventRecord(my[chunks + 1], cp[r]));  // the join
+      CK(cudaStreamWaitEvent(s[r], my[chunks + 1]));
+      finish_kernel<<<1, 1, 0, s[r]>>>(flags[r]);
+      canary_check<<<grid_for(elems), 256, 0, s[r]>>>(out[r], elems, 1, 1, e, r, n, 1, c, miss);
+    }
+    if (c % 500 == 499) {
+      CK(cudaDeviceSynchronize());
+      gave_up = hw.report("canary ce");
+    }
+  }
+  CK(cudaDeviceSynchronize());
+  gave_up = gave_up || hw.report("canary ce");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("CANARY copy engine: %d calls x 2 ranks, %lld bf16 per block in %d chunks, join "
+              "every %d calls, delays 0/25/50 us rotating: %llu wrong elements%s in %.2f s\n",
+              calls, elems, chunks, join_every, miss->count, gave_up ? ", A WAIT GAVE UP" : "",
+              secs);
+  if (miss->first_set)
+    std::printf("  first: call %d rank %d element %lld: got %g want %g\n", miss->call, miss->rank,
+                (long long)miss->row, miss->got, miss->want);
+  const long long bad = gave_up ? -1 : (long long)miss->count;
+  for (int r = 0; r < n; ++r) {
+    cudaFree(part[r]), cudaFree(own[r]), cudaFree(out[r]), cudaFree(stage[r]);
+    cudaFree(flags[r]), cudaStreamDestroy(s[r]), cudaStreamDestroy(cp[r]);
+  }
+  for (auto& x : ev) cudaEventDestroy(x);
   cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb);
   return bad;
 }

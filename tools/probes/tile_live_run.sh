@@ -14,7 +14,8 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
 SHAPES=$OUT/shapes.txt
-[[ -f $ROOT/shapes.txt ]] && cp "$ROOT/shapes.txt" "$SHAPES" || "$PY" "$ROOT/tools/shapes.py" >"$SHAPES"
+if [[ -f $ROOT/shapes.txt ]]; then cp "$ROOT/shapes.txt" "$SHAPES"
+else "$PY" "$ROOT/tools/shapes.py" >"$SHAPES"; fi
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 1000 \
   >"$OUT/smi.csv" 2>&1 &
 SMI=$!
