@@ -183,39 +183,25 @@ struct HostWords {
   }
 };
 
-// Two in-process ranks of one group (n = 2): per rank x [2m, K], w [K, N] (and a column-major
-// copy), out [2m, N] (a cuBLASLt GEMM's whole product; the tile kernel writes the first m rows),
-// staging for one peer, flags, a stream.
-struct Pair {
+// Two in-process ranks of one group (n = 2): staging of one peer slot of `slot_bytes`, flags and
+// a stream each, the group's host words.
+struct Ranks2 {
   static constexpr int n = 2;
-  int64_t m, N, K;
-  __nv_bfloat16 *x[n], *w[n], *wc[n] = {}, *out[n];
   char* stage[n];
   Flags* flags[n];
   cudaStream_t s[n];
   HostWords hw;
-  Pair(int64_t m_, int64_t N_, int64_t K_, bool col_copy) : m(m_), N(N_), K(K_) {
+  explicit Ranks2(int64_t slot_bytes) {
     for (int r = 0; r < n; ++r) {
-      CK(cudaMalloc(&x[r], n * m * K * 2));
-      CK(cudaMalloc(&w[r], K * N * 2));
-      if (col_copy) CK(cudaMalloc(&wc[r], K * N * 2));
-      CK(cudaMalloc(&out[r], n * m * N * 2));
-      CK(cudaMalloc(&stage[r], (n - 1) * tile_rs_slot_bytes(m, N)));
-      CK(cudaMemset(stage[r], 0, (n - 1) * tile_rs_slot_bytes(m, N)));
+      CK(cudaMalloc(&stage[r], (n - 1) * slot_bytes));
+      CK(cudaMemset(stage[r], 0, (n - 1) * slot_bytes));
       CK(cudaMalloc(&flags[r], sizeof(Flags)));
       CK(cudaMemset(flags[r], 0, sizeof(Flags)));
       CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
-      CK(launch_fill_uniform(x[r], n * m * K, FillType::kBF16, 31 + r, nullptr));
-      CK(launch_fill_uniform(w[r], K * N, FillType::kBF16, 47 + r, nullptr));
     }
-    CK(cudaDeviceSynchronize());
   }
-  ~Pair() {
-    for (int r = 0; r < n; ++r) {
-      cudaFree(x[r]), cudaFree(w[r]), cudaFree(out[r]), cudaFree(stage[r]), cudaFree(flags[r]);
-      if (wc[r]) cudaFree(wc[r]);
-      cudaStreamDestroy(s[r]);
-    }
+  ~Ranks2() {
+    for (int r = 0; r < n; ++r) cudaFree(stage[r]), cudaFree(flags[r]), cudaStreamDestroy(s[r]);
   }
   Peers peers(int r) const {
     Peers p{};
@@ -223,6 +209,38 @@ struct Pair {
     for (int i = 0; i < n; ++i) p.stage[i] = stage[i], p.flags[i] = flags[i];
     p.abort = hw.abort;
     return p;
+  }
+  // One call's start: both streams begin together (each waits for the other's previous work).
+  void join(cudaEvent_t a, cudaEvent_t b) {
+    CK(cudaEventRecord(a, s[0]));
+    CK(cudaStreamWaitEvent(s[1], a));
+    CK(cudaEventRecord(b, s[1]));
+    CK(cudaStreamWaitEvent(s[0], b));
+  }
+};
+
+// The tile kernel's pair: per rank x [2m, K], w [K, N] (and a column-major copy), out [2m, N] (a
+// cuBLASLt GEMM's whole product; the tile kernel writes the first m rows).
+struct Pair : Ranks2 {
+  int64_t m, N, K;
+  __nv_bfloat16 *x[n], *w[n], *wc[n] = {}, *out[n];
+  Pair(int64_t m_, int64_t N_, int64_t K_, bool col_copy)
+      : Ranks2(tile_rs_slot_bytes(m_, N_)), m(m_), N(N_), K(K_) {
+    for (int r = 0; r < n; ++r) {
+      CK(cudaMalloc(&x[r], n * m * K * 2));
+      CK(cudaMalloc(&w[r], K * N * 2));
+      if (col_copy) CK(cudaMalloc(&wc[r], K * N * 2));
+      CK(cudaMalloc(&out[r], n * m * N * 2));
+      CK(launch_fill_uniform(x[r], n * m * K, FillType::kBF16, 31 + r, nullptr));
+      CK(launch_fill_uniform(w[r], K * N, FillType::kBF16, 47 + r, nullptr));
+    }
+    CK(cudaDeviceSynchronize());
+  }
+  ~Pair() {
+    for (int r = 0; r < n; ++r) {
+      cudaFree(x[r]), cudaFree(w[r]), cudaFree(out[r]);
+      if (wc[r]) cudaFree(wc[r]);
+    }
   }
   TileRsArgs tile(int r, int sms, int mode, int entry, int swizzle, bool wcol) const {
     TileRsArgs a{};
@@ -239,13 +257,52 @@ struct Pair {
   }
 };
 
-// One call's start: both streams begin together (each waits for the other's previous work).
-void join(Pair& p, cudaEvent_t a, cudaEvent_t b) {
-  CK(cudaEventRecord(a, p.s[0]));
-  CK(cudaStreamWaitEvent(p.s[1], a));
-  CK(cudaEventRecord(b, p.s[1]));
-  CK(cudaStreamWaitEvent(p.s[0], b));
-}
+// A canary run's bookkeeping: the mismatch record, the join events, the clock; every 500 calls
+// (bounded queues; a failure shows early) and at the end, whether a wait gave up.
+struct Canary {
+  Ranks2& g;
+  Miss* miss;
+  cudaEvent_t ea, eb;
+  std::chrono::steady_clock::time_point t0;
+  bool gave_up = false;
+  double secs = 0;
+  explicit Canary(Ranks2& g_) : g(g_) {
+    CK(cudaHostAlloc(&miss, sizeof(Miss), cudaHostAllocMapped));
+    std::memset(miss, 0, sizeof(Miss));
+    CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
+    CK(cudaDeviceSynchronize());
+    t0 = std::chrono::steady_clock::now();
+  }
+  ~Canary() { cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb); }
+  // Before call c: the join every `join_every` calls; after it: the periodic check.
+  void begin(int c, int join_every) {
+    if (join_every > 0 && c % join_every == 0) g.join(ea, eb);
+  }
+  void end(int c, const char* what) {
+    if (c % 500 == 499) {
+      CK(cudaDeviceSynchronize());
+      gave_up = g.hw.report(what);
+    }
+  }
+  // After the last call: waits for the device, reports a wait that gave up; then the caller prints
+  // its verdict line's head and finish() its tail and the first mismatch.
+  void settle(const char* what) {
+    CK(cudaDeviceSynchronize());
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    gave_up = gave_up || g.hw.report(what);
+  }
+  // The wrong elements, -1 if a wait gave up.
+  long long finish() {
+    std::printf(": %llu wrong elements%s in %.2f s\n", miss->count,
+                gave_up ? ", A WAIT GAVE UP" : "", secs);
+    if (miss->first_set)
+      std::printf("  first: call %d rank %d row/element %lld col %lld: got %g want %g\n",
+                  miss->call, miss->rank, (long long)miss->row, (long long)miss->col, miss->got,
+                  miss->want);
+    return gave_up ? -1 : (long long)miss->count;
+  }
+};
 
 // The half of the SMs each of two ranks gets (both kernels resident at once: an even number, for
 // 2-CTA clusters; tile_rs_probe.cu's check).
@@ -302,23 +359,16 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
     canary_fill_w<<<grid_for(K * N), 256>>>(p.w[r], K, N, 0);
     canary_fill_w<<<grid_for(K * N), 256>>>(p.wc[r], K, N, 1);
   }
-  Miss* miss;
-  CK(cudaHostAlloc(&miss, sizeof(Miss), cudaHostAllocMapped));
-  std::memset(miss, 0, sizeof(Miss));
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t ea, eb;
-  CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
-  CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
+  Canary cn(p);
   const int sms = half_sms(), E = tile_rs_menu_size();
   int per_delay[3] = {}, wcol_calls = 0;
   std::vector<int> per_entry(E, 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int c = 0; c < calls; ++c) {
+  for (int c = 0; c < calls && !cn.gave_up; ++c) {
     const uint32_t e = (uint32_t)c + 1u;  // the flags' epoch before call c is c
     const int d = c % 3, entry = (c / 3) % E;
     const bool wcol = (c / 1000) % 2 == 1;
     ++per_delay[d], ++per_entry[entry], wcol_calls += wcol;
-    if (join_every > 0 && c % join_every == 0) join(p, ea, eb);
+    cn.begin(c, join_every);
     for (int r = 0; r < Pair::n; ++r) {
       cudaStream_t s = p.s[r];
       if (r == 1) delay_kernel<<<1, 1, 0, s>>>(kDelaysUs[d] * 1000ull);
@@ -327,28 +377,18 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
       CK(launch_tile_rs(a, s));
       CK(launch_release_slots(a.peers, s));
       finish_kernel<<<1, 1, 0, s>>>(p.flags[r]);
-      canary_check<<<grid_for(m * N), 256, 0, s>>>(p.out[r], m, N, fc, e, r, Pair::n, 0, c, miss);
+      canary_check<<<grid_for(m * N), 256, 0, s>>>(p.out[r], m, N, fc, e, r, Pair::n, 0, c,
+                                                   cn.miss);
     }
-    if (c % 500 == 499) {  // bounded queues; a failure shows early
-      CK(cudaDeviceSynchronize());
-      if (p.hw.report("canary")) break;
-    }
+    cn.end(c, "canary tile");
   }
-  CK(cudaDeviceSynchronize());
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const bool gave_up = p.hw.report("canary");
+  cn.settle("canary tile");
   std::printf("CANARY tile: %d calls x 2 ranks, %lld x %lld x %lld (m = %lld rows per rank), "
               "%d SMs each, join every %d calls; delays 0/25/50 us: %d/%d/%d calls; entries",
               calls, 2 * m, K, N, m, sms, join_every, per_delay[0], per_delay[1], per_delay[2]);
   for (int e = 0; e < E; ++e) std::printf(" %s %d", tile_rs_entry_name(e), per_entry[e]);
-  std::printf("; w column-major %d calls: %llu wrong elements%s in %.2f s\n", wcol_calls,
-              miss->count, gave_up ? ", A WAIT GAVE UP" : "", secs);
-  if (miss->first_set)
-    std::printf("  first: call %d rank %d row %lld col %lld: got %g want %g\n", miss->call,
-                miss->rank, (long long)miss->row, (long long)miss->col, miss->got, miss->want);
-  const long long bad = gave_up ? -1 : (long long)miss->count;
-  cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb);
-  return bad;
+  std::printf("; w column-major %d calls", wcol_calls);
+  return cn.finish();
 }
 
 // The standalone reduce-scatter's comm kernel (ffi/kernels/comm.cu, as handlers/rs.cc drives it)
@@ -357,48 +397,24 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
 // rank in `chunks` chunks. Same delays and joins as tl_canary_tile. Returns the wrong elements.
 long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int reduce_push,
                          int join_every) {
-  constexpr int n = 2;
+  constexpr int n = Ranks2::n;
   const int64_t block_bytes = elems * 2;
+  Ranks2 g(block_bytes);
   __nv_bfloat16 *src[n], *out[n];
-  char* stage[n];
-  Flags* flags[n];
-  cudaStream_t s[n];
-  HostWords hw;
   for (int r = 0; r < n; ++r) {
     CK(cudaMalloc(&src[r], n * block_bytes));
     CK(cudaMalloc(&out[r], block_bytes));
-    CK(cudaMalloc(&stage[r], (n - 1) * block_bytes));
-    CK(cudaMemset(stage[r], 0, (n - 1) * block_bytes));
-    CK(cudaMalloc(&flags[r], sizeof(Flags)));
-    CK(cudaMemset(flags[r], 0, sizeof(Flags)));
-    CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
   }
-  Miss* miss;
-  CK(cudaHostAlloc(&miss, sizeof(Miss), cudaHostAllocMapped));
-  std::memset(miss, 0, sizeof(Miss));
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t ea, eb;
-  CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
-  CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
-  const auto t0 = std::chrono::steady_clock::now();
-  bool gave_up = false;
-  for (int c = 0; c < calls && !gave_up; ++c) {
+  Canary cn(g);
+  for (int c = 0; c < calls && !cn.gave_up; ++c) {
     const uint32_t e = (uint32_t)c + 1u;
-    const int d = c % 3;
-    if (join_every > 0 && c % join_every == 0) {
-      CK(cudaEventRecord(ea, s[0]));
-      CK(cudaStreamWaitEvent(s[1], ea));
-      CK(cudaEventRecord(eb, s[1]));
-      CK(cudaStreamWaitEvent(s[0], eb));
-    }
+    cn.begin(c, join_every);
     for (int r = 0; r < n; ++r) {
-      if (r == 1) delay_kernel<<<1, 1, 0, s[r]>>>(kDelaysUs[d] * 1000ull);
-      canary_fill_blocks<<<grid_for(n * elems), 256, 0, s[r]>>>(src[r], n * elems, elems, 0, e,
-                                                                 r);
+      cudaStream_t s = g.s[r];
+      if (r == 1) delay_kernel<<<1, 1, 0, s>>>(kDelaysUs[c % 3] * 1000ull);
+      canary_fill_blocks<<<grid_for(n * elems), 256, 0, s>>>(src[r], n * elems, elems, 0, e, r);
       CommArgs a{};
-      a.peers.n = n, a.peers.rank = r, a.peers.device = 0;
-      for (int i = 0; i < n; ++i) a.peers.stage[i] = stage[i], a.peers.flags[i] = flags[i];
-      a.peers.abort = hw.abort;
+      a.peers = g.peers(r);
       a.src = reinterpret_cast<const char*>(src[r]);
       a.own = a.src + r * block_bytes;
       a.out = reinterpret_cast<char*>(out[r]);
@@ -410,35 +426,22 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
       a.stall_rank = -1;
       a.op = kOpReduceScatter;
       a.timeout_ns = 10ull * 1000 * 1000 * 1000;
-      a.err = hw.err;
+      a.err = g.hw.err;
       a.dtype = DType::kBF16;
-      CK(launch_comm(a, s[r]));
-      CK(launch_release_slots(a.peers, s[r]));
-      finish_kernel<<<1, 1, 0, s[r]>>>(flags[r]);
-      canary_check<<<grid_for(elems), 256, 0, s[r]>>>(out[r], elems, 1, 1, e, r, n, 1, c, miss);
+      CK(launch_comm(a, s));
+      CK(launch_release_slots(a.peers, s));
+      finish_kernel<<<1, 1, 0, s>>>(g.flags[r]);
+      canary_check<<<grid_for(elems), 256, 0, s>>>(out[r], elems, 1, 1, e, r, n, 1, c, cn.miss);
     }
-    if (c % 500 == 499) {
-      CK(cudaDeviceSynchronize());
-      gave_up = hw.report("canary comm");
-    }
+    cn.end(c, "canary comm");
   }
-  CK(cudaDeviceSynchronize());
-  gave_up = gave_up || hw.report("canary comm");
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  cn.settle("canary comm");
   std::printf("CANARY comm %s: %d calls x 2 ranks, %lld bf16 per block in %d chunks, %d CTAs "
-              "each, join every %d calls, delays 0/25/50 us rotating: %llu wrong elements%s in "
-              "%.2f s\n",
+              "each, join every %d calls, delays 0/25/50 us rotating",
               reduce_push ? "reduce-push" : "senders/receivers", calls, elems, chunks, ctas,
-              join_every, miss->count, gave_up ? ", A WAIT GAVE UP" : "", secs);
-  if (miss->first_set)
-    std::printf("  first: call %d rank %d element %lld: got %g want %g\n", miss->call, miss->rank,
-                (long long)miss->row, miss->got, miss->want);
-  const long long bad = gave_up ? -1 : (long long)miss->count;
-  for (int r = 0; r < n; ++r) {
-    cudaFree(src[r]), cudaFree(out[r]), cudaFree(stage[r]), cudaFree(flags[r]);
-    cudaStreamDestroy(s[r]);
-  }
-  cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb);
+              join_every);
+  const long long bad = cn.finish();
+  for (int r = 0; r < n; ++r) cudaFree(src[r]), cudaFree(out[r]);
   return bad;
 }
 
@@ -450,101 +453,69 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
 // the sum own + peer (launch_sum_blocks: f32, one rounding; the handler's GEMM with C = the
 // slot), the slot release, the join with the copy stream, the finish. Returns the wrong elements.
 long long tl_canary_ce(int calls, long long elems, int chunks, int join_every) {
-  constexpr int n = 2;
+  constexpr int n = Ranks2::n;
   const int64_t block_bytes = elems * 2, chunk_elems = elems / chunks;
+  Ranks2 g(block_bytes);
   __nv_bfloat16 *part[n], *own[n], *out[n];
-  char* stage[n];
-  Flags* flags[n];
-  cudaStream_t s[n], cp[n];
+  cudaStream_t cp[n];
   std::vector<cudaEvent_t> ev(n * (chunks + 2));
   for (auto& e : ev) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  HostWords hw;
   for (int r = 0; r < n; ++r) {
     CK(cudaMalloc(&part[r], block_bytes));
     CK(cudaMalloc(&own[r], block_bytes));
     CK(cudaMalloc(&out[r], block_bytes));
-    CK(cudaMalloc(&stage[r], (n - 1) * block_bytes));
-    CK(cudaMemset(stage[r], 0, (n - 1) * block_bytes));
-    CK(cudaMalloc(&flags[r], sizeof(Flags)));
-    CK(cudaMemset(flags[r], 0, sizeof(Flags)));
-    CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&cp[r], cudaStreamNonBlocking));
   }
-  Miss* miss;
-  CK(cudaHostAlloc(&miss, sizeof(Miss), cudaHostAllocMapped));
-  std::memset(miss, 0, sizeof(Miss));
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t ea, eb;
-  CK(cudaEventCreateWithFlags(&ea, cudaEventDisableTiming));
-  CK(cudaEventCreateWithFlags(&eb, cudaEventDisableTiming));
+  Canary cn(g);
   const uint64_t timeout = 10ull * 1000 * 1000 * 1000;
-  const auto t0 = std::chrono::steady_clock::now();
-  bool gave_up = false;
-  for (int c = 0; c < calls && !gave_up; ++c) {
+  for (int c = 0; c < calls && !cn.gave_up; ++c) {
     const uint32_t e = (uint32_t)c + 1u;
-    if (join_every > 0 && c % join_every == 0) {
-      CK(cudaEventRecord(ea, s[0]));
-      CK(cudaStreamWaitEvent(s[1], ea));
-      CK(cudaEventRecord(eb, s[1]));
-      CK(cudaStreamWaitEvent(s[0], eb));
-    }
+    cn.begin(c, join_every);
     for (int r = 0; r < n; ++r) {
       const int j = 1 - r;
+      cudaStream_t s = g.s[r];
       cudaEvent_t* my = &ev[r * (chunks + 2)];
-      Peers pr{};
-      pr.n = n, pr.rank = r, pr.device = 0;
-      for (int i = 0; i < n; ++i) pr.stage[i] = stage[i], pr.flags[i] = flags[i];
-      pr.abort = hw.abort;
-      if (r == 1) delay_kernel<<<1, 1, 0, s[r]>>>(kDelaysUs[c % 3] * 1000ull);
-      CK(cudaEventRecord(my[chunks], s[r]));  // the fork
+      const Peers pr = g.peers(r);
+      if (r == 1) delay_kernel<<<1, 1, 0, s>>>(kDelaysUs[c % 3] * 1000ull);
+      CK(cudaEventRecord(my[chunks], s));  // the fork
       CK(cudaStreamWaitEvent(cp[r], my[chunks]));
-      CK(launch_ce_wait_slot_free(pr, j, kOpGemmRs, timeout, hw.err, cp[r]));
-      char* dst = stage[j] + stage_slot(r, j, n) * block_bytes;
+      CK(launch_ce_wait_slot_free(pr, j, kOpGemmRs, timeout, g.hw.err, cp[r]));
+      char* dst = g.stage[j] + stage_slot(r, j, n) * block_bytes;
       for (int k = 0; k < chunks; ++k) {  // the "GEMM" of the peer's block, chunk k, then its push
         __nv_bfloat16* d = part[r] + k * chunk_elems;
         const int64_t at = j * elems + k * chunk_elems;
-        canary_fill_blocks<<<grid_for(chunk_elems), 256, 0, s[r]>>>(d, chunk_elems, elems, at, e, r);
-        CK(cudaEventRecord(my[k], s[r]));
+        canary_fill_blocks<<<grid_for(chunk_elems), 256, 0, s>>>(d, chunk_elems, elems, at, e, r);
+        CK(cudaEventRecord(my[k], s));
         CK(cudaStreamWaitEvent(cp[r], my[k]));
         CK(cudaMemcpyAsync(dst + k * chunk_elems * 2, d, chunk_elems * 2, cudaMemcpyDefault,
                            cp[r]));
         CK(launch_ce_signal_arrival(pr, j, k, -1, cp[r]));
       }
-      canary_fill_blocks<<<grid_for(elems), 256, 0, s[r]>>>(own[r], elems, elems, r * elems, e, r);
+      canary_fill_blocks<<<grid_for(elems), 256, 0, s>>>(own[r], elems, elems, r * elems, e, r);
       for (int k = 0; k < chunks; ++k) {
-        CK(launch_ce_wait_arrival(pr, j, k, kOpGemmRs, timeout, hw.err, s[r]));
+        CK(launch_ce_wait_arrival(pr, j, k, kOpGemmRs, timeout, g.hw.err, s));
         CK(launch_sum_blocks(out[r] + k * chunk_elems, own[r] + k * chunk_elems,
-                             stage[r] + k * chunk_elems * 2, 1, elems, chunk_elems,
-                             DType::kBF16, 16, s[r]));
+                             g.stage[r] + k * chunk_elems * 2, 1, elems, chunk_elems,
+                             DType::kBF16, 16, s));
       }
-      CK(launch_release_slots(pr, s[r]));
+      CK(launch_release_slots(pr, s));
       CK(cudaEventRecord(my[chunks + 1], cp[r]));  // the join
-      CK(cudaStreamWaitEvent(s[r], my[chunks + 1]));
-      finish_kernel<<<1, 1, 0, s[r]>>>(flags[r]);
-      canary_check<<<grid_for(elems), 256, 0, s[r]>>>(out[r], elems, 1, 1, e, r, n, 1, c, miss);
+      CK(cudaStreamWaitEvent(s, my[chunks + 1]));
+      finish_kernel<<<1, 1, 0, s>>>(g.flags[r]);
+      canary_check<<<grid_for(elems), 256, 0, s>>>(out[r], elems, 1, 1, e, r, n, 1, c, cn.miss);
     }
-    if (c % 500 == 499) {
-      CK(cudaDeviceSynchronize());
-      gave_up = hw.report("canary ce");
-    }
+    cn.end(c, "canary ce");
   }
-  CK(cudaDeviceSynchronize());
-  gave_up = gave_up || hw.report("canary ce");
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  cn.settle("canary ce");
   std::printf("CANARY copy engine: %d calls x 2 ranks, %lld bf16 per block in %d chunks, join "
-              "every %d calls, delays 0/25/50 us rotating: %llu wrong elements%s in %.2f s\n",
-              calls, elems, chunks, join_every, miss->count, gave_up ? ", A WAIT GAVE UP" : "",
-              secs);
-  if (miss->first_set)
-    std::printf("  first: call %d rank %d element %lld: got %g want %g\n", miss->call, miss->rank,
-                (long long)miss->row, miss->got, miss->want);
-  const long long bad = gave_up ? -1 : (long long)miss->count;
+              "every %d calls, delays 0/25/50 us rotating",
+              calls, elems, chunks, join_every);
+  const long long bad = cn.finish();
   for (int r = 0; r < n; ++r) {
-    cudaFree(part[r]), cudaFree(own[r]), cudaFree(out[r]), cudaFree(stage[r]);
-    cudaFree(flags[r]), cudaStreamDestroy(s[r]), cudaStreamDestroy(cp[r]);
+    cudaFree(part[r]), cudaFree(own[r]), cudaFree(out[r]);
+    cudaStreamDestroy(cp[r]);
   }
   for (auto& x : ev) cudaEventDestroy(x);
-  cudaFreeHost(miss), cudaEventDestroy(ea), cudaEventDestroy(eb);
   return bad;
 }
 

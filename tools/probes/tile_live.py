@@ -90,6 +90,16 @@ def read_shapes(path):
     return rows
 
 
+def within(shapes, deadline_s):
+    """The shapes, until `deadline_s` seconds (0: none) have passed since the first."""
+    t0 = time.perf_counter()
+    for i, s in enumerate(shapes):
+        if deadline_s and time.perf_counter() - t0 > deadline_s:
+            print(f"deadline of {deadline_s} s reached: {i} of {len(shapes)} shapes done")
+            return
+        yield s
+
+
 def flop(s):
     return 2.0 * s["M"] * s["K"] * s["N"]
 
@@ -126,16 +136,13 @@ def cmd_live(a, lib):
     if a.limit:
         shapes = shapes[: a.limit]
     cache = tempfile.mkdtemp(prefix="tile_live_cache")
-    rows, t_start = [], time.perf_counter()
+    rows = []
     print(
         "live waits: 2 ranks (n = 2) on half the SMs each vs two cuBLASLt GEMMs on half each, "
         "per-rank problem M x K x N; ratio = makespan / cuBLASLt pair's (median of 7 rounds); "
         "wait proxy = rank's mode-0 minus mode-1 kernel time, us"
     )
-    for s in shapes:
-        if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
-            print(f"deadline of {a.deadline_s} s reached: {len(rows)} shapes done")
-            break
+    for s in within(shapes, a.deadline_s):
         out = (ctypes.c_double * 24)()
         e, sw = ctypes.c_int(), ctypes.c_int()
         rc = lib.tl_live(s["M"], s["K"], s["N"], cache.encode(), out, e, sw)
@@ -267,16 +274,13 @@ def cmd_ref(a, lib):
     if a.judged_only:
         shapes = [s for s in shapes if flop(s) >= JUDGED_FLOP]
     cache = tempfile.mkdtemp(prefix="tile_ref_cache")
-    rows, t_start = [], time.perf_counter()
+    rows = []
     print(
         "per shape, wall ms per call (7 interleaved rounds, median; every sample starts on an idle "
         "device and ends at device completion): reference = min(XLA jnp.matmul, searched "
         "cuBLASLt); ratios against it"
     )
-    for s in shapes:
-        if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
-            print(f"deadline of {a.deadline_s} s reached: {len(rows)} shapes done")
-            break
+    for s in within(shapes, a.deadline_s):
         row = time_shape(lib, s, cache)
         rows.append(row)
     for st in sorted({r["set"] for r in rows}, key=[r["set"] for r in rows].index):
