@@ -227,15 +227,20 @@ def time_shape(lib, s, cache):
     xla_sample(max(2, reps // 4))
     for v in range(6):
         lib_sample(v, max(2, reps // 4))
-    samples = {k: [] for k in NAMES}
-    ev_ms = {k: [] for k in NAMES[1:]}
-    for _ in range(7):
-        samples["xla"].append(xla_sample(reps))
-        for v in range(6):
-            samples[NAMES[v + 1]].append(lib_sample(v, reps))
-            ev_ms[NAMES[v + 1]].append(ev.value)
+    for _ in range(2):  # BENCHMARKS.md: a row whose baseline moved > 5 % is run again
+        samples = {k: [] for k in NAMES + ["xla_again"]}
+        ev_ms = {k: [] for k in NAMES[1:]}
+        for _ in range(7):
+            samples["xla"].append(xla_sample(reps))
+            for v in range(6):
+                samples[NAMES[v + 1]].append(lib_sample(v, reps))
+                ev_ms[NAMES[v + 1]].append(ev.value)
+            samples["xla_again"].append(xla_sample(reps))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        noisy = abs(med["xla_again"] / med["xla"] - 1) > 0.05
+        if not noisy:
+            break
     lib.tl_ref_close(h)
-    med = {k: statistics.median(v) for k, v in samples.items()}
     spread = {k: (max(v) - min(v)) / med[k] for k, v in samples.items()}
     ref = min(med["xla"], med["cublaslt"])
     row = dict(
@@ -245,7 +250,7 @@ def time_shape(lib, s, cache):
         reference_is="xla" if med["xla"] < med["cublaslt"] else "cublaslt",
         ms=dict(reference=ref, **med),
         event_ms={k: statistics.median(v) for k, v in ev_ms.items()},
-        spread=spread,
+        spread=spread, noisy=noisy,
     )  # fmt: skip
     print(
         f"{s['set']:<18} {s['site']:<15} tp {s['tp']} {s['M']:>6}x{s['K']:>6}x{s['N']:>6}"
@@ -253,7 +258,8 @@ def time_shape(lib, s, cache):
         f"{med['cublaslt']:.3f} (ref {row['reference_is']}) | {pick} sw{sw.value} plain "
         f"{med['plain'] / ref:.3f} solo {med['solo'] / ref:.3f} prod {med['prod'] / ref:.3f} "
         f"| e0 plain {med['plain:entry0'] / ref:.3f} prod {med['prod:entry0'] / ref:.3f} | "
-        f"spread max {max(spread.values()):.0%} | choose {secs.value:.2f} s"
+        f"spread max {max(spread.values()):.0%}{' NOISY' if noisy else ''} | "
+        f"choose {secs.value:.2f} s"
     )
     return row
 
