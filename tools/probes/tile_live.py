@@ -91,10 +91,10 @@ def read_shapes(path):
 
 
 def within(shapes, deadline_s):
-    """The shapes, until `deadline_s` seconds (0: none) have passed since the first."""
+    """The shapes, until `deadline_s` seconds (0: none) have passed since the first began."""
     t0 = time.perf_counter()
     for i, s in enumerate(shapes):
-        if deadline_s and time.perf_counter() - t0 > deadline_s:
+        if i and deadline_s and time.perf_counter() - t0 > deadline_s:
             print(f"deadline of {deadline_s} s reached: {i} of {len(shapes)} shapes done")
             return
         yield s
