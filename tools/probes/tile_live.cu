@@ -445,26 +445,31 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
   return bad;
 }
 
-// The copy-engine pushes of the fused GEMM + reduce-scatter (handlers/gemm_rs_ce.cc's protocol,
-// n = 2) as two in-process ranks, each with its main stream and a copy stream: main: a fill
-// stands in for the GEMM of the peer's block (chunk by chunk, an event each) and of the own
-// block; copy: the bounded wait for the peer's slot, per chunk the push (cudaMemcpyAsync into
-// the peer's staging) and the arrival flag; main: per chunk the wait for the peer's arrival and
-// the sum own + peer (launch_sum_blocks: f32, one rounding; the handler's GEMM with C = the
-// slot), the slot release, the join with the copy stream, the finish. Returns the wrong elements.
-long long tl_canary_ce(int calls, long long elems, int chunks, int join_every) {
+// The chunked fused GEMM + reduce-scatter's pushes at n = 2, as two in-process ranks, each with a
+// GEMM stream and a side stream; a fill stands in for each GEMM (the canary values are what the
+// GEMM would compute). `senders` = 0: the copy-engine schedule (handlers/gemm_rs_ce.cc): GEMM
+// stream: the peer block's chunks, an event each; copy stream: the bounded wait for the peer's
+// slot, per chunk (after its event) the push (cudaMemcpyAsync into the peer's staging) and the
+// arrival flag; GEMM stream: per chunk the wait for the peer's arrival. `senders` > 0: the
+// SM-partition schedule (handlers/gemm_rs.cc): GEMM stream: the peer block's chunks, each
+// followed by its ready flag (launch_signal_ready); comm stream: the comm kernel (`senders`
+// CTAs, src_by_step, wait_ready: it waits for each ready flag and pushes the chunk with TMA);
+// GEMM stream: per chunk launch_wait_chunk. Both then sum own + peer (launch_sum_blocks: f32,
+// one rounding; the handler's own GEMM with C = the slot), release the slot, join the side
+// stream and finish. Returns the wrong elements.
+long long tl_canary_chunked(int calls, long long elems, int chunks, int senders, int join_every) {
   constexpr int n = Ranks2::n;
   const int64_t block_bytes = elems * 2, chunk_elems = elems / chunks;
   Ranks2 g(block_bytes);
   __nv_bfloat16 *part[n], *own[n], *out[n];
-  cudaStream_t cp[n];
+  cudaStream_t side[n];
   std::vector<cudaEvent_t> ev(n * (chunks + 2));
   for (auto& e : ev) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   for (int r = 0; r < n; ++r) {
     CK(cudaMalloc(&part[r], block_bytes));
     CK(cudaMalloc(&own[r], block_bytes));
     CK(cudaMalloc(&out[r], block_bytes));
-    CK(cudaStreamCreateWithFlags(&cp[r], cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&side[r], cudaStreamNonBlocking));
   }
   Canary cn(g);
   const uint64_t timeout = 10ull * 1000 * 1000 * 1000;
@@ -478,42 +483,67 @@ long long tl_canary_ce(int calls, long long elems, int chunks, int join_every) {
       const Peers pr = g.peers(r);
       if (r == 1) delay_kernel<<<1, 1, 0, s>>>(kDelaysUs[c % 3] * 1000ull);
       CK(cudaEventRecord(my[chunks], s));  // the fork
-      CK(cudaStreamWaitEvent(cp[r], my[chunks]));
-      CK(launch_ce_wait_slot_free(pr, j, kOpGemmRs, timeout, g.hw.err, cp[r]));
+      CK(cudaStreamWaitEvent(side[r], my[chunks]));
+      if (!senders) CK(launch_ce_wait_slot_free(pr, j, kOpGemmRs, timeout, g.hw.err, side[r]));
       char* dst = g.stage[j] + stage_slot(r, j, n) * block_bytes;
-      for (int k = 0; k < chunks; ++k) {  // the "GEMM" of the peer's block, chunk k, then its push
+      for (int k = 0; k < chunks; ++k) {  // the "GEMM" of the peer's block, chunk k
         __nv_bfloat16* d = part[r] + k * chunk_elems;
         const int64_t at = j * elems + k * chunk_elems;
         canary_fill_blocks<<<grid_for(chunk_elems), 256, 0, s>>>(d, chunk_elems, elems, at, e, r);
+        if (senders) {
+          CK(launch_signal_ready(g.flags[r], k, s));
+          continue;
+        }
         CK(cudaEventRecord(my[k], s));
-        CK(cudaStreamWaitEvent(cp[r], my[k]));
+        CK(cudaStreamWaitEvent(side[r], my[k]));
         CK(cudaMemcpyAsync(dst + k * chunk_elems * 2, d, chunk_elems * 2, cudaMemcpyDefault,
-                           cp[r]));
-        CK(launch_ce_signal_arrival(pr, j, k, -1, cp[r]));
+                           side[r]));
+        CK(launch_ce_signal_arrival(pr, j, k, -1, side[r]));
+      }
+      if (senders) {  // after the producer in host order, as the handler launches it
+        CommArgs a{};
+        a.peers = pr;
+        a.src = reinterpret_cast<const char*>(part[r]);
+        a.out = nullptr;
+        a.block_bytes = block_bytes;
+        a.chunks = chunks;
+        a.senders = senders;
+        a.src_by_step = 1;
+        a.wait_ready = 1;
+        a.stall_rank = -1;
+        a.op = kOpGemmRs;
+        a.timeout_ns = timeout;
+        a.err = g.hw.err;
+        a.dtype = DType::kBF16;
+        CK(launch_comm(a, side[r]));
       }
       canary_fill_blocks<<<grid_for(elems), 256, 0, s>>>(own[r], elems, elems, r * elems, e, r);
       for (int k = 0; k < chunks; ++k) {
-        CK(launch_ce_wait_arrival(pr, j, k, kOpGemmRs, timeout, g.hw.err, s));
+        if (senders)
+          CK(launch_wait_chunk(pr, k, senders, 0, kOpGemmRs, timeout, g.hw.err, s));
+        else
+          CK(launch_ce_wait_arrival(pr, j, k, kOpGemmRs, timeout, g.hw.err, s));
         CK(launch_sum_blocks(out[r] + k * chunk_elems, own[r] + k * chunk_elems,
                              g.stage[r] + k * chunk_elems * 2, 1, elems, chunk_elems,
                              DType::kBF16, 16, s));
       }
       CK(launch_release_slots(pr, s));
-      CK(cudaEventRecord(my[chunks + 1], cp[r]));  // the join
+      CK(cudaEventRecord(my[chunks + 1], side[r]));  // the join
       CK(cudaStreamWaitEvent(s, my[chunks + 1]));
       finish_kernel<<<1, 1, 0, s>>>(g.flags[r]);
       canary_check<<<grid_for(elems), 256, 0, s>>>(out[r], elems, 1, 1, e, r, n, 1, c, cn.miss);
     }
-    cn.end(c, "canary ce");
+    cn.end(c, "canary chunked");
   }
-  cn.settle("canary ce");
-  std::printf("CANARY copy engine: %d calls x 2 ranks, %lld bf16 per block in %d chunks, join "
+  cn.settle("canary chunked");
+  std::printf("CANARY chunked %s: %d calls x 2 ranks, %lld bf16 per block in %d chunks, join "
               "every %d calls, delays 0/25/50 us rotating",
-              calls, elems, chunks, join_every);
+              senders ? "comm kernel" : "copy engine", calls, elems, chunks, join_every);
+  if (senders) std::printf(", %d sender CTAs", senders);
   const long long bad = cn.finish();
   for (int r = 0; r < n; ++r) {
     cudaFree(part[r]), cudaFree(own[r]), cudaFree(out[r]);
-    cudaStreamDestroy(cp[r]);
+    cudaStreamDestroy(side[r]);
   }
   for (auto& x : ev) cudaEventDestroy(x);
   return bad;

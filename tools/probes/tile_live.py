@@ -5,7 +5,8 @@ CPU machine by tools/probes/build_tile_live.sh).
   canary [--calls 10000]   the race canary (issues 24.3, 25.2): two ranks as concurrent kernels,
                            rank 1 late by 0/25/50 us, every foreign slab a known f(epoch, source,
                            block, piece): the tile kernel (every menu entry, both w layouts),
-                           the comm kernel's two n = 2 schedules and the copy-engine pushes.
+                           the comm kernel's two n = 2 schedules (standalone reduce-scatter),
+                           the chunked schedule's pushes (comm kernel, copy engine).
                            Prints "TILE CANARY ..."; exit 1 on any wrong element or wait that
                            gave up.
   live SHAPES [--json OUT] live waits (issue 24.3): per judged shape (2*M*K*N >= 1e11), two ranks
@@ -61,8 +62,8 @@ def load_lib():
     lib.tl_canary_tile.restype = ll
     lib.tl_canary_comm.argtypes = [i, ll, i, i, i, i]
     lib.tl_canary_comm.restype = ll
-    lib.tl_canary_ce.argtypes = [i, ll, i, i]
-    lib.tl_canary_ce.restype = ll
+    lib.tl_canary_chunked.argtypes = [i, ll, i, i, i]
+    lib.tl_canary_chunked.restype = ll
     lib.tl_live.argtypes = [ll, ll, ll, ctypes.c_char_p, ctypes.POINTER(d), ctypes.POINTER(i),
                             ctypes.POINTER(i)]  # fmt: skip
     lib.tl_ref_open.argtypes = [i, ll, ll, ll, i]
@@ -112,12 +113,14 @@ def cmd_canary(a, lib):
     t0 = time.perf_counter()
     # The tile kernel: 2 ranks x 1024 rows, N = 1152 (9 flag columns: a 256-wide tile's second
     # half past N), K = 256; the comm kernel: 1 Mi bf16 per block in 4 chunks, 8 CTAs a rank;
-    # the copy-engine pushes: 1 Mi bf16 per block in 4 chunks.
+    # the chunked schedule's pushes (comm kernel with 4 senders, copy engine): 1 Mi bf16 per block
+    # in 4 chunks.
     results = [
         ("tile", lib.tl_canary_tile(a.calls, 1024, 1152, 256, a.join_every)),
         ("comm reduce-push", lib.tl_canary_comm(a.calls, 1 << 20, 4, 8, 1, a.join_every)),
         ("comm senders/receivers", lib.tl_canary_comm(a.calls, 1 << 20, 4, 8, 0, a.join_every)),
-        ("copy engine", lib.tl_canary_ce(a.calls, 1 << 20, 4, a.join_every)),
+        ("chunked, comm kernel", lib.tl_canary_chunked(a.calls, 1 << 20, 4, 4, a.join_every)),
+        ("chunked, copy engine", lib.tl_canary_chunked(a.calls, 1 << 20, 4, 0, a.join_every)),
     ]
     ok = all(bad == 0 for _, bad in results)
     print(
