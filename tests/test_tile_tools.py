@@ -67,6 +67,10 @@ def test_layer_budget_line(capsys):
     out = capsys.readouterr().out
     gap = budget["run21-8b"][0] - budget["run21-8b"][1]
     assert f"leaves {1 - 0.4 / gap:.2f} of it" in out
+    # the out-projection (8192 x 4096 bf16 out, tp 2): 0.0907 ms on the link + 1.1 / 2 < 1.1
+    assert tile_paper.with_link_ms(rows[0]) == pytest.approx(1.1)
+    row = dict(rows[0], ms=dict(rows[0]["ms"], prod=0.1))  # a kernel faster than its link
+    assert tile_paper.with_link_ms(row) == pytest.approx(8192 * 4096 / 370e9 * 1e3 + 0.05)
     assert "LAYER BUDGET run21-70b: no timed sites" in out
 
 

@@ -166,6 +166,7 @@ def cmd_live(a, lib):
             )
         print(line + (" A WAIT GAVE UP" if rc else ""))
         rows.append(row)
+        save(a.json, dict(tool="tools/probes/tile_live.py live", date=now(), rows=rows))
     sets = sorted({r["set"] for r in rows}, key=[r["set"] for r in rows].index)
     for st in sets:
         for d in DELAYS_US:
@@ -179,16 +180,19 @@ def cmd_live(a, lib):
                 f"{statistics.median(r['wait_proxy_us'][0] for r in rs):.0f} / "
                 f"{statistics.median(r['wait_proxy_us'][1] for r in rs):.0f} us"
             )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                dict(tool="tools/probes/tile_live.py live", date=now(), rows=rows), f, indent=1
-            )
     return 0
 
 
 def now():
     return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+
+
+def save(path, doc):
+    """Writes the JSON after every shape (a run cut short keeps what it measured)."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 NAMES = ["xla", "cublaslt", "plain", "solo", "prod", "plain:entry0", "prod:entry0"]
@@ -289,9 +293,19 @@ def cmd_ref(a, lib):
         "device and ends at device completion): reference = min(XLA jnp.matmul, searched "
         "cuBLASLt); ratios against it"
     )
+    doc = dict(
+        machine="1x " + jax.devices()[0].device_kind, date=now(), jax_version=jax.__version__,
+        tool="tools/probes/tile_live.py ref (tools/probes/tile_live.cu)",
+        timing="wall clock per sample (reps back-to-back calls from an idle device to device "
+        "completion), variants of one shape interleaved, 7 rounds; ms = median; reference = "
+        "the faster of XLA's jitted jnp.matmul and the GEMM runner's searched cuBLASLt plan, "
+        "timed in the same rounds; plain = mode 2, solo = mode 1, prod = mode 0 on the "
+        "emulated group; event_ms: the library's variants by CUDA events",
+        rows=rows,
+    )  # fmt: skip
     for s in within(shapes, a.deadline_s):
-        row = time_shape(lib, s, cache)
-        rows.append(row)
+        rows.append(time_shape(lib, s, cache))
+        save(a.json, doc)
     for st in sorted({r["set"] for r in rows}, key=[r["set"] for r in rows].index):
         rs = [r for r in rows if r["set"] == st and flop(dict(r, K=r["K_local"])) >= JUDGED_FLOP]
         if not rs:
@@ -307,21 +321,6 @@ def cmd_ref(a, lib):
             f"solo/ref {g('solo'):.3f} prod/ref {g('prod'):.3f} | entry 0 plain/ref "
             f"{g('plain:entry0'):.3f} prod/ref {g('prod:entry0'):.3f}"
         )
-    if a.json:
-        import jax
-
-        doc = dict(
-            machine="1x " + jax.devices()[0].device_kind, date=now(), jax_version=jax.__version__,
-            tool="tools/probes/tile_live.py ref (tools/probes/tile_live.cu)",
-            timing="wall clock per sample (reps back-to-back calls from an idle device to device "
-            "completion), variants of one shape interleaved, 7 rounds; ms = median; reference = "
-            "the faster of XLA's jitted jnp.matmul and the GEMM runner's searched cuBLASLt plan, "
-            "timed in the same rounds; plain = mode 2, solo = mode 1, prod = mode 0 on the "
-            "emulated group; event_ms: the library's variants by CUDA events",
-            rows=rows,
-        )  # fmt: skip
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
     return 0
 
 
