@@ -82,3 +82,12 @@ def test_shape_files_and_deadline(tmp_path):
     assert rows[1]["wcol"] == 1 and rows[1]["site"] == "bwd dx qkv"
     assert list(tile_live.within(rows, 0)) == rows
     assert list(tile_live.within(rows, 1e-9)) == rows[:1]  # the first always runs
+
+
+def test_xla_timers_time_the_same_gemm_both_ways():
+    s = dict(M=64, K=32, N=16, wcol=1)
+    timers = tile_live.xla_timers(s, est_ms=0.1)  # a short GEMM: 8 pairs per batched call
+    assert set(timers) == {"xla", "xla_batched"} and timers["xla"] is not timers["xla_batched"]
+    assert all(t(2) > 0 for t in timers.values())
+    one = tile_live.xla_timers(s, est_ms=2.0)  # a long GEMM: no batch, the same timer
+    assert one["xla_batched"] is one["xla"]
