@@ -179,7 +179,7 @@ for what in "${LIVE[@]}"; do  # tools/probes/tile_live.py: live ranks of the til
     tile-ref)
       REF_JSON="$RESULTS/matmul_reduce_scatter_ref_1xH200.json"
       step tile-ref 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/probes/tile_live.py \
-        ref "$TILE_SHAPES" --sites --deadline-s 250 --json "$REF_JSON"
+        ref "$TILE_SHAPES" --sites --judged-only --deadline-s 250 --json "$REF_JSON"
       [[ -f $REF_JSON ]] && "$PY" tools/tile_paper.py "$REF_JSON" >"$LOG/tile-paper.log" &&
         grep '^LAYER' "$LOG/tile-paper.log" ;;
   esac
