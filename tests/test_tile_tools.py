@@ -84,6 +84,20 @@ def test_shape_files_and_deadline(tmp_path):
     assert list(tile_live.within(rows, 1e-9)) == rows[:1]  # the first always runs
 
 
+@pytest.mark.parametrize("wcol", [0, 1])
+def test_xla_programs_compute_each_pairs_gemm(wcol):
+    import numpy as np
+
+    s = dict(M=32, K=16, N=8, wcol=wcol)
+    one, many, xs, ws = tile_live.xla_programs(s, 3)
+    assert xs[0].shape == (32, 16) and ws[0].shape == ((8, 16) if wcol else (16, 8))
+    for x, w, y in zip(xs, ws, many(xs, ws), strict=True):
+        wf = np.asarray(w, np.float32)
+        want = np.asarray(x, np.float32) @ (wf.T if wcol else wf)
+        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(np.asarray(one(x, w)), np.asarray(y))
+
+
 def test_xla_timers_time_the_same_gemm_both_ways():
     s = dict(M=64, K=32, N=16, wcol=1)
     timers = tile_live.xla_timers(s, est_ms=0.1)  # a short GEMM: 8 pairs per batched call

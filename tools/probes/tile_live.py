@@ -198,17 +198,13 @@ def save(path, doc):
 NAMES = ["xla", "cublaslt", "plain", "solo", "prod", "plain:entry0", "prod:entry0"]
 
 
-def xla_timers(s, est_ms):
-    """XLA's jitted jnp.matmul of shape `s` (x @ w.T for a column-major w), on operands drawn as
+def xla_programs(s, r):
+    """XLA's jitted GEMM of shape `s` (x @ w.T for a column-major w) on r operand pairs drawn as
     the library's are (uniform in [-1, 1): tensor cores draw data-dependent power, and this GPU
-    runs power-capped), timed two ways: "xla", one jitted call per GEMM (what a program pays,
-    dispatch included), and "xla_batched", R independent GEMMs of R operand pairs in one jitted
-    call (the dispatch amortised; R = 1 where a GEMM takes >= 1 ms). Returns {name: sample},
-    sample(reps) -> wall ms per GEMM of `reps` calls from an idle device to completion."""
+    runs power-capped): (one GEMM, r GEMMs in one call each after the last, xs, ws)."""
     import jax
     import jax.numpy as jnp
 
-    r = 1 if est_ms >= 1.0 else min(8, max(2, int(2.0 / max(est_ms, 0.05))))
     keys = jax.random.split(jax.random.key(s["M"] * 7 + s["K"] * 3 + s["N"]), 2 * r)
     w_shape = (s["N"], s["K"]) if s["wcol"] else (s["K"], s["N"])
 
@@ -221,8 +217,26 @@ def xla_timers(s, est_ms):
     def mm(x, w):
         return jnp.matmul(x, w.T) if s["wcol"] else jnp.matmul(x, w)
 
-    one = jax.jit(mm)
-    many = jax.jit(lambda xs, ws: [mm(x, w) for x, w in zip(xs, ws, strict=True)])
+    def chain(xs, ws):  # GEMM i + 1 after GEMM i (a barrier, no work): never concurrent
+        ys = []
+        for x, w in zip(xs, ws, strict=True):
+            if ys:
+                x, _ = jax.lax.optimization_barrier((x, ys[-1]))
+            ys.append(mm(x, w))
+        return ys
+
+    return jax.jit(mm), jax.jit(chain), xs, ws
+
+
+def xla_timers(s, est_ms):
+    """XLA's GEMM of shape `s` (xla_programs) timed two ways: "xla", one jitted call per GEMM
+    (what a program pays, dispatch included), and "xla_batched", R GEMMs per call (the dispatch
+    amortised; R = 1 where a GEMM takes >= 1 ms). Returns {name: sample}, sample(reps) -> wall
+    ms per GEMM of `reps` calls from an idle device to completion."""
+    import jax
+
+    r = 1 if est_ms >= 1.0 else min(8, max(2, int(2.0 / max(est_ms, 0.05))))
+    one, many, xs, ws = xla_programs(s, r)
 
     def timer(fn, args, per):
         jax.block_until_ready(fn(*args))  # compiled (and autotuned) before any sample
