@@ -4,7 +4,7 @@
 #
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
 #                      [--layer] [--stress] [--gemm-probe] [--tile-probe] [--sanitize[=TOOLS]]
-#                      [--dw-probe] [--memory]
+#                      [--dw-probe] [--memory] [--canary] [--live-waits] [--tile-ref]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
@@ -21,6 +21,12 @@
 # tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's menu
 # checked at 2, 4 and 8 ranks on one GPU against an f32 reference, and every entry's and the
 # pick's time against cuBLASLt's on tools/shapes.py's shapes (GPU_CHECK_TILE_SEED=S: new draws).
+# --canary / --live-waits / --tile-ref: tools/probes/tile_live.py (one GPU; build/probes/
+# libtile_live.so, built on the CPU machine by tools/probes/build_tile_live.sh, carried): the race
+# canary (two in-process ranks, 10,000 calls each of the tile kernel, the comm kernel's two
+# schedules and the copy-engine pushes, rank 1 late by 0/25/50 us), the live waits against two
+# concurrent cuBLASLt GEMMs, the tile table's reference with XLA timed in the same rounds (and
+# tools/tile_paper.py's t_comm/t_gemm, NVLink demand and run 21's layer budget).
 # GPU_CHECK_LAYER_FLAGS: extra flags of the layer benchmark (e.g. "--fused-proj --sizes 8b").
 # GPU_CHECK_TESTS_K: the one-GPU tests' -k expression (default "not bitwise and not
 # other_shapes"; "other_shapes" alone: every op again at a second set of shapes).
@@ -43,7 +49,7 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
 BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0 SANITIZE=
-DW_PROBE=0 MEMORY=0
+DW_PROBE=0 MEMORY=0 LIVE=()
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -57,9 +63,10 @@ for a in "$@"; do
     --memory) MEMORY=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
     --tile-probe) TILE_PROBE=1 ;;
+    --canary | --live-waits | --tile-ref) LIVE+=("${a#--}") ;;
     --sanitize) SANITIZE=memcheck,racecheck,synccheck,initcheck ;;
     --sanitize=*) SANITIZE=${a#--sanitize=} ;;
-    -h | --help) sed -n 2,29p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,35p "$0"; exit 0 ;;
     *) echo "unknown flag: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -162,6 +169,21 @@ if ((TILE_PROBE)); then
   done
   kill "$SMI" 2>/dev/null
 fi
+for what in "${LIVE[@]}"; do  # tools/probes/tile_live.py: live ranks of the tile kernel, one GPU
+  TILE_SHAPES="$LOG/tile-shapes.txt"
+  "$PY" tools/shapes.py ${GPU_CHECK_TILE_SEED:+--seed "$GPU_CHECK_TILE_SEED"} >"$TILE_SHAPES"
+  case $what in
+    canary) step tile-canary 120 "$PY" tools/probes/tile_live.py canary ;;
+    live-waits) step tile-live 240 "$PY" tools/probes/tile_live.py live "$TILE_SHAPES" \
+      --deadline-s 200 --json "$RESULTS/tile_live_1xH200.json" ;;
+    tile-ref)
+      REF_JSON="$RESULTS/matmul_reduce_scatter_ref_1xH200.json"
+      step tile-ref 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" tools/probes/tile_live.py \
+        ref "$TILE_SHAPES" --sites --judged-only --deadline-s 250 --json "$REF_JSON"
+      [[ -f $REF_JSON ]] && "$PY" tools/tile_paper.py "$REF_JSON" >"$LOG/tile-paper.log" &&
+        grep '^LAYER' "$LOG/tile-paper.log" ;;
+  esac
+done
 if ((NGPU < 2 && STRESS)); then
   # Two processes sharing the GPU: every call site's protocol with a real second rank (kernels
   # time-slice: endurance and correctness, no speed).
