@@ -40,23 +40,20 @@ from jaxoverlap import target as target_lib
 from jaxoverlap.fused import targets
 from jaxoverlap.fused.knobs import _profile, _stall_rank, _stall_target
 
+_ALLOWED = (  # where JAX lets an effect through (jax/_src/effects.py)
+    "lowerable_effects",
+    "control_flow_allowed_effects",
+    "remat_allowed_effects",
+    "custom_derivatives_allowed_effects",
+)
 try:  # private in jax 0.11 and 0.12 alike (jax/_src/effects.py); guarded for later versions
     from jax._src import effects as _effects
 
-    _EFFECT_SETS = tuple(
-        getattr(_effects, name)
-        for name in (
-            "ordered_effects",
-            "shardable_ordered_effects",
-            "lowerable_effects",
-            "control_flow_allowed_effects",
-            "remat_allowed_effects",
-            "custom_derivatives_allowed_effects",
-        )
-    )
+    _ORDERED_SETS = (_effects.ordered_effects, _effects.shardable_ordered_effects)
+    _ALLOWED_SETS = tuple(getattr(_effects, name) for name in _ALLOWED)
     _Effect = _effects.Effect
 except (ImportError, AttributeError):  # pragma: no cover - a jax without these sets
-    _EFFECT_SETS, _Effect = (), object
+    _ORDERED_SETS, _ALLOWED_SETS, _Effect = (), (), object
 
 
 class FusedOrder(_Effect):
@@ -69,12 +66,28 @@ class FusedOrder(_Effect):
     __str__ = __repr__
 
 
-fused_order = FusedOrder()
-for _set in _EFFECT_SETS:
+class FusedDispatch(_Effect):
+    """The unordered effect beside `FusedOrder`. It changes no lowering; it only keeps a compiled
+    program off JAX's C++ fast path, which -- for ``jit(f).lower(...).compile()`` executables
+    (``pxla.MeshExecutable.create_cpp_call``, jax 0.11.2 and 0.12) -- checks for unordered
+    effects and host callbacks but not ordered effects, so that from the second call on it would
+    run without the order token ("Execution supplied 2 arguments but compiled program expected
+    3"). ``jax.jit`` itself already dispatches programs with ordered effects in Python."""
+
+    def __repr__(self):
+        return "FusedDispatch"
+
+    __str__ = __repr__
+
+
+fused_order, fused_dispatch = FusedOrder(), FusedDispatch()
+for _set in _ORDERED_SETS + _ALLOWED_SETS:
     _set.add_type(FusedOrder)
-# The effects of a fused primitive's abstract eval: empty where this jax lacks the private sets
+for _set in _ALLOWED_SETS:
+    _set.add_type(FusedDispatch)
+# The effects of a fused primitive's abstract eval: none where this jax lacks the private sets
 # (then the calls get a fresh token each: unordered, as before issue 26).
-FUSED_EFFECTS = frozenset({fused_order}) if _EFFECT_SETS else core.no_effects
+FUSED_EFFECTS = frozenset({fused_order, fused_dispatch}) if _ORDERED_SETS else core.no_effects
 
 
 class FusedUnavailable(Exception):
@@ -188,7 +201,7 @@ def knob_attrs(target):
 def _thread_token(ctx):
     """The order token this call consumes (the last one of ``ctx``'s rule, or the rule's input)
     and a function that makes the call's token result the rule's output token."""
-    if not _EFFECT_SETS:
+    if not _ORDERED_SETS:
         return hlo.create_token(), lambda tok: None
     tokens = ctx.tokens_out if ctx.tokens_out is not None else ctx.tokens_in
     if fused_order not in tokens.effects():

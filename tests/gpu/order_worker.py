@@ -1,0 +1,268 @@
+"""One process of tests/gpu/test_order_gpu.py (issue 26, R2: the order of two fused calls).
+
+    python tests/gpu/order_worker.py PROCESS NPROC PORT GPU MODE
+
+Joins ``jax.distributed`` with ``local_device_ids=[GPU]`` (on a one-GPU machine both processes
+share GPU 0), builds a 1-D ``tp`` mesh over both processes' devices and runs one program with two
+independent fused calls -- A, a reduce-scatter (``matmul_reduce_scatter``), and B, an all-gather
+(``all_gather_matmul``), of different shapes, so different workspaces -- among XLA work (enough
+thunks in a row for XLA to build a command buffer). Prints ``<tag> OK ...`` or ``<tag> FAILED
+...`` per check. MODE:
+
+* ``graphs`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1``, XLA's default LHS scheduling): the two
+  token-chained calls are recorded into a command buffer and replayed: host handler calls under
+  capture > 0, fewer host calls than device calls, every execution bitwise equal to the first,
+  values near a float32 reference.
+* ``inverted``: both processes run A-then-B once (workspaces warmed, values checked); then
+  process 1 runs the program traced with B before A -- the test-only inversion:
+  ``ORDER_INVERTED=1`` names the process that inverts (with order tokens, program order is
+  execution order, so the inversion is a program whose calls are written the other way round) --
+  while process 0 runs A-then-B again. Each process's first call waits for its peer's copy of the
+  same call, queued behind the peer's other call: the deadlock R2 is about. It must end bounded:
+  within a few ``timeout_s`` (3 s; plus a compilation), NaN outputs of the first call and a
+  `jaxoverlap.FusedCallError` naming its op.
+* ``concurrent`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1`` and
+  ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``): ``ORDER_ITERS`` executions (1,000),
+  every one bitwise equal to the first, no error, values near the reference; the fused calls were
+  kept out of the concurrent graphs (no handler call under capture: they ran as ordinary thunks
+  in program order, jaxoverlap.runtime.command_buffers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+M, K, N = 512, 512, 256  # A: x [M, K] (K split), w [K, N] -> rows of x @ w scattered
+M2, K2, N2 = 256, 384, 512  # B: x [M2, K2] (rows split), w [K2, N2] (columns split)
+# (each with a leading dimension of scan steps)
+
+
+def _rand(rng, *shape):
+    return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def main(process, nproc, port, gpu, mode):
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=process,
+        local_device_ids=[gpu],
+        initialization_timeout=120,
+    )
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config, runtime
+
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    timeout_s = 3.0 if mode == "inverted" else 60.0
+    # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
+    cfg = Config(backend=os.environ.get("ORDER_BACKEND", "fused"), timeout_s=timeout_s)
+    # graphs: the calls in a 4-step lax.scan body (XLA graphs a loop body and replays it, its
+    # buffers keeping their addresses); otherwise one of each per execution.
+    steps = 4 if mode == "graphs" else 1
+    rng = np.random.default_rng(5)
+    host = dict(
+        x1=_rand(rng, steps, M, K), w1=_rand(rng, K, N), v=_rand(rng, N, N),
+        x2=_rand(rng, steps, M2, K2), w2=_rand(rng, K2, N2),
+    )  # fmt: skip
+    specs = dict(
+        x1=P(None, None, "tp"), w1=P("tp", None), v=P(), x2=P(None, "tp", None), w2=P(None, "tp")
+    )
+    args = [
+        jax.make_array_from_callback(
+            host[k].shape,
+            NamedSharding(mesh, specs[k]),
+            lambda idx, k=k: host[k].astype(jnp.bfloat16)[idx],
+        )
+        for k in ("x1", "w1", "v", "x2", "w2")
+    ]
+
+    def a_call(x1, w1, v):  # tanh, A, GEMM, sin: XLA work around the call
+        y = jaxoverlap.matmul_reduce_scatter(jnp.tanh(x1), w1, "tp", config=cfg)
+        return jnp.sin(y @ v)
+
+    def b_call(x2, w2):  # exp, B, cos
+        return jnp.cos(jaxoverlap.all_gather_matmul(jnp.exp(x2 * 0.5), w2, "tp", config=cfg))
+
+    def program(inverted):
+        def step(x1, w1, v, x2, w2):
+            if inverted:  # the test-only inversion: B written (so traced, so run) before A
+                b = b_call(x2, w2)
+                return a_call(x1, w1, v), b
+            return a_call(x1, w1, v), b_call(x2, w2)
+
+        def body(x1, w1, v, x2, w2):
+            if steps == 1:
+                a, b = step(x1[0], w1, v, x2[0], w2)
+                return a[None], b[None]
+            c0 = 0 * jnp.sum(x1[0, :1, :1], dtype=jnp.float32)  # varying over tp
+
+            def scan_step(c, xs):
+                a, b = step(xs[0], w1, v, xs[1], w2)
+                return c + jnp.sum(a, dtype=jnp.float32), (a, b)
+
+            return jax.lax.scan(scan_step, c0, (x1, x2))[1]
+
+        out_specs = (P(None, "tp", None), P(None, None, "tp"))
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=tuple(specs.values()), out_specs=out_specs)
+        )
+
+    def bf(a):
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+
+    want = (
+        np.sin(bf(bf(np.tanh(bf(host["x1"]))) @ bf(host["w1"])) @ bf(host["v"])),
+        np.cos(bf(np.exp(bf(host["x2"]) * 0.5)) @ bf(host["w2"])),
+    )
+
+    def shards(outs):  # [(index, values)] of this process: A's shard, then B's
+        return [
+            (s.index, np.asarray(s.data, np.float32)) for o in outs for s in o.addressable_shards
+        ]
+
+    def rel_err(outs):
+        errs = [
+            float(np.max(np.abs(got - w[idx])) / (np.max(np.abs(w[idx])) + 1e-6))
+            for (idx, got), w in zip(shards(outs), want, strict=True)
+        ]
+        return max(errs)
+
+    def bits(outs):
+        return [np.asarray(s.data).view(np.uint16) for o in outs for s in o.addressable_shards]
+
+    f = program(False)
+    hlo_chain(f.lower(*args).compile().as_text())
+    nat = runtime.native()
+    try:
+        if mode == "graphs":
+            run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps)
+        elif mode == "concurrent":
+            run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax)
+        elif mode == "inverted":
+            run_inverted(f, program, args, process, rel_err, shards, jaxoverlap, timeout_s)
+    except Exception as e:
+        print(f"{mode} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
+        traceback.print_exc()
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("order/done", 120_000)
+
+
+def hlo_chain(text):
+    """The order token in XLA's optimized HLO: each jaxoverlap custom call's last operand is a
+    token, and A's token result (a get-tuple-element of A's call) is B's token operand."""
+    import re
+
+    calls = {}  # name -> target, token operand
+    defs = {}  # name -> defining line
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*)$", line)
+        if not m:
+            continue
+        defs[m.group(1)] = m.group(2)
+        t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', line)
+        if t:
+            tok = re.findall(r"token\[\] (%[\w.\-]+)", line.split("custom-call(", 1)[1])
+            calls[m.group(1)] = (t.group(1), tok[-1] if tok else None)
+    edges = []
+    for target, tok in calls.values():
+        src = re.search(r"get-tuple-element\(.*?(%[\w.\-]+)\)", defs.get(tok or "", ""))
+        if src and src.group(1) in calls:
+            edges.append(f"{calls[src.group(1)][0]}->{target}")
+    ok = len(calls) >= 2 and all(tok for _, tok in calls.values()) and edges
+    print(f"hlo_chain {'OK' if ok else 'FAILED'} calls={len(calls)} edges={edges}", flush=True)
+
+
+def run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps, executions=8):
+    before = nat.handler_calls()
+    outs = [f(*args) for _ in range(executions)]
+    import jax
+
+    jax.block_until_ready(outs)
+    jaxoverlap.check_errors()
+    after = nat.handler_calls()
+    calls, captured = after[0] - before[0], after[1] - before[1]
+    first = bits(outs[0])
+    same = all(all(np.array_equal(a, b) for a, b in zip(first, bits(o))) for o in outs[1:])
+    err = rel_err(outs[0])
+    device_calls = 2 * steps * executions
+    ok = same and err < 5e-2 and captured > 0 and calls < device_calls
+    print(
+        f"graphs {'OK' if ok else 'FAILED'} host_calls={calls} captured={captured} "
+        f"device_calls={device_calls} repeat_bitwise={same} rel_err={err:.1e}",
+        flush=True,
+    )
+
+
+def run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax):
+    iters = int(os.environ.get("ORDER_ITERS", "1000"))
+    same = jax.jit(lambda a, b, c, d: jnp.array_equal(a, c) & jnp.array_equal(b, d))
+    before = nat.handler_calls()
+    t0 = time.time()
+    first = f(*args)
+    ok = jnp.array(True)
+    for _ in range(iters - 1):
+        ok = ok & same(*first, *f(*args))
+    ok = bool(ok)
+    dt = time.time() - t0
+    jaxoverlap.check_errors()
+    after = nat.handler_calls()
+    calls, captured = after[0] - before[0], after[1] - before[1]
+    err = rel_err(first)
+    good = ok and err < 5e-2 and captured == 0 and calls == 2 * iters
+    print(
+        f"concurrent {'OK' if good else 'FAILED'} iterations={iters} bitwise_equal={ok} "
+        f"host_calls={calls} captured={captured} rel_err={err:.1e} in {dt:.1f}s",
+        flush=True,
+    )
+
+
+def run_inverted(f, program, args, process, rel_err, shards, jaxoverlap, timeout_s):
+    import jax
+
+    err = rel_err(jax.block_until_ready(f(*args)))  # both in order: workspaces warm, values right
+    jaxoverlap.check_errors()
+    print(f"in_order {'OK' if err < 5e-2 else 'FAILED'} rel_err={err:.1e}", flush=True)
+    inverted = os.environ.get("ORDER_INVERTED") == str(process)  # the process that inverts
+    c = program(True) if inverted else f
+    c.lower(*args).compile()  # (jit's own cache: compiled before the barrier, not timed)
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
+    t0 = time.time()
+    error = None
+    first = 1 if inverted else 0  # the call each process runs first: B in process 1
+    try:
+        outs = jax.block_until_ready(c(*args))
+        nan = bool(np.isnan(shards(outs)[first][1]).all())
+        jaxoverlap.check_errors()
+    except Exception as e:  # the program's own error, or check_errors'
+        error = e
+        nan = locals().get("nan")
+    dt = time.time() - t0
+    op = ("jaxoverlap.matmul_reduce_scatter", "jaxoverlap.all_gather_matmul")[first]
+    named = error is not None and op in str(error)
+    typed = isinstance(error, jaxoverlap.FusedCallError)
+    # Bounded: a few timeouts (the first call's, then its peer's giving up at once), plus the
+    # first execution's compilation of the inverted program in process 1.
+    ok = named and typed and nan is not False and dt < 4 * timeout_s + 15
+    print(
+        f"inverted {'OK' if ok else 'FAILED'} process={process} inverted={inverted} in "
+        f"{dt:.1f}s nan={nan} error={type(error).__name__}: {str(error)[:300]}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(*map(int, sys.argv[1:5]), sys.argv[5])
