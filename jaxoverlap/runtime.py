@@ -105,7 +105,7 @@ def register_targets():
         from jax._src.lib import xla_client
 
         traits = xla_client.CustomCallTargetTraits.DEFAULT
-        if command_buffers():  # XLA may capture the handlers into CUDA graphs (ffi/runtime/runtime.h)
+        if command_buffers():  # XLA may capture the handlers in CUDA graphs (ffi/runtime/runtime.h)
             traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, stages in mod.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)
@@ -117,7 +117,8 @@ def register_targets():
 def concurrent_scheduling(flags=None):
     """The CONCURRENT mode ``XLA_FLAGS`` (or ``flags``) sets for command buffers
     (``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` or ``CONCURRENT_REGIONS``; the last
-    occurrence wins, as in XLA), else None. Per-``jit`` ``compiler_options`` are not visible here."""
+    occurrence wins, as in XLA), else None. Per-``jit`` ``compiler_options`` are not visible
+    here (docs/ordering-and-stream-memops.md, section 1)."""
     flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
     mode = None
     for word in flags.split():
@@ -128,8 +129,8 @@ def concurrent_scheduling(flags=None):
 
 
 def command_buffers():
-    """Whether the targets are registered COMMAND_BUFFER_COMPATIBLE: ``JAXOVERLAP_COMMAND_BUFFERS=1``
-    and no CONCURRENT scheduling in ``XLA_FLAGS`` (`concurrent_scheduling`). In a CONCURRENT graph
+    """Whether the targets are registered COMMAND_BUFFER_COMPATIBLE:
+    ``JAXOVERLAP_COMMAND_BUFFERS=1`` and no CONCURRENT scheduling in ``XLA_FLAGS`` (`concurrent_scheduling`). In a CONCURRENT graph
     XLA orders commands by the buffers they share, and the fused calls' order tokens have none, so
     two fused calls could start in different orders on two GPUs (a wait out to the timeout) or
     share a workspace's epoch: the targets then run as ordinary thunks, between graphs, in the
