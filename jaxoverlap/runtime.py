@@ -130,11 +130,12 @@ def concurrent_scheduling(flags=None):
 
 def command_buffers():
     """Whether the targets are registered COMMAND_BUFFER_COMPATIBLE:
-    ``JAXOVERLAP_COMMAND_BUFFERS=1`` and no CONCURRENT scheduling in ``XLA_FLAGS`` (`concurrent_scheduling`). In a CONCURRENT graph
-    XLA orders commands by the buffers they share, and the fused calls' order tokens have none, so
-    two fused calls could start in different orders on two GPUs (a wait out to the timeout) or
-    share a workspace's epoch: the targets then run as ordinary thunks, between graphs, in the
-    program's order (XLA's own work still runs in concurrent graphs), with one warning."""
+    ``JAXOVERLAP_COMMAND_BUFFERS=1`` and no CONCURRENT scheduling in ``XLA_FLAGS``
+    (`concurrent_scheduling`). In a CONCURRENT graph XLA orders commands by the buffers they
+    share, and the fused calls' order tokens have none, so two fused calls could start in
+    different orders on two GPUs (a wait out to the timeout) or share a workspace's epoch: the
+    targets then run as ordinary thunks, between graphs, in the program's order (XLA's own work
+    still runs in concurrent graphs), with one warning."""
     if not COMMAND_BUFFERS:
         return False
     mode = concurrent_scheduling()
