@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from tests.gpu.test_xproc_gpu import _results, _run
+from .test_xproc_gpu import _results, _run
 
 pytestmark = pytest.mark.gpu
 
@@ -34,11 +34,16 @@ FLAG = "--xla_gpu_command_buffer_scheduling_mode"
 def _order(mode, timeout=120, **env):
     env = {"PYTHONPATH": PATH, **env}
     outs = _run(mode, timeout=timeout, env=env, worker=WORKER)
+    if os.environ.get("ORDER_LOG_DIR"):  # the workers' whole outputs (GPU runs keep them)
+        for p, out in enumerate(outs):
+            with open(os.path.join(os.environ["ORDER_LOG_DIR"], f"{mode}.{p}.log"), "w") as f:
+                f.write(out)
     return outs, [_results(out) for out in outs]
 
 
 def _ok(outs, results, *tags):
     for p, (out, r) in enumerate(zip(outs, results, strict=True)):
+        print(f"process {p}:", *(r.get(tag) for tag in tags), sep="\n  ")  # shown with -s
         for tag in tags:
             assert tag in r and " OK" in r[tag], f"process {p}: {r.get(tag)}\n{out[-4000:]}"
 
