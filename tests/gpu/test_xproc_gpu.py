@@ -72,7 +72,7 @@ OPS = [
     "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
     "all_gather_matmul_k_3d",
     "gemm_search",  # the plans those calls made: algorithms timed, none failed
-    "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v1)
+    "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v2)
 ]
 
 

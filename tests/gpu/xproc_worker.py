@@ -393,7 +393,7 @@ def op_cases(mesh, arr, timeout_s, shapes=None):
         (spec3, P("tp", None)),
         P(None, "tp"),
     )
-    # The standalone TMA reduce-scatter (jaxoverlap_rs_v1, the bandwidth benchmark's): each rank's
+    # The standalone TMA reduce-scatter (jaxoverlap_rs_v2, the bandwidth benchmark's): each rank's
     # [M, N] columns of xr summed over the group, rank r keeping row block r. Drawn last, listed
     # last: the other cases' inputs stay those of earlier runs, cases[0] the reduce-scatter.
     xr = rand(M, 2 * N)
