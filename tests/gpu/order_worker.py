@@ -47,23 +47,16 @@ def _rand(rng, *shape):
 
 
 def main(process, nproc, port, gpu, mode):
-    import jax
+    from tests.gpu.xproc_worker import join
 
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=nproc,
-        process_id=process,
-        local_device_ids=[gpu],
-        initialization_timeout=120,
-    )
+    mesh, arr = join(process, nproc, port, gpu)
+    import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
     from jaxoverlap import Config, runtime
 
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
     timeout_s = 3.0 if mode == "inverted" else 60.0
     # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
     cfg = Config(backend=os.environ.get("ORDER_BACKEND", "fused"), timeout_s=timeout_s)
@@ -78,14 +71,7 @@ def main(process, nproc, port, gpu, mode):
     specs = dict(
         x1=P(None, None, "tp"), w1=P("tp", None), v=P(), x2=P(None, "tp", None), w2=P(None, "tp")
     )
-    args = [
-        jax.make_array_from_callback(
-            host[k].shape,
-            NamedSharding(mesh, specs[k]),
-            lambda idx, k=k: host[k].astype(jnp.bfloat16)[idx],
-        )
-        for k in ("x1", "w1", "v", "x2", "w2")
-    ]
+    args = [arr(host[k].astype(jnp.bfloat16), specs[k]) for k in ("x1", "w1", "v", "x2", "w2")]
 
     def a_call(x1, w1, v):  # tanh, A, GEMM, sin: XLA work around the call
         y = jaxoverlap.matmul_reduce_scatter(jnp.tanh(x1), w1, "tp", config=cfg)

@@ -30,7 +30,10 @@ import traceback
 import numpy as np
 
 
-def main(process, nproc, port, gpu, mode):
+def join(process, nproc, port, gpu):
+    """Joins ``jax.distributed`` with ``local_device_ids=[gpu]`` (every thread's stack dumped
+    after $XPROC_STACKS_AFTER_S, if still running); returns the 1-D ``tp`` mesh over every
+    process's device and ``arr(a, spec)``, the global array of ``a`` sharded by ``spec``."""
     if os.environ.get("XPROC_STACKS_AFTER_S"):  # every thread's stack, if still running then
         faulthandler.dump_traceback_later(float(os.environ["XPROC_STACKS_AFTER_S"]))
     import jax
@@ -42,18 +45,25 @@ def main(process, nproc, port, gpu, mode):
         local_device_ids=[gpu],
         initialization_timeout=120,
     )
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxoverlap
-    from jaxoverlap import Config
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
 
     def arr(a, spec):
         sh = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    return mesh, arr
+
+
+def main(process, nproc, port, gpu, mode):
+    mesh, arr = join(process, nproc, port, gpu)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config
 
     def mine(y):
         (s,) = y.addressable_shards
