@@ -9,23 +9,24 @@ independent fused calls -- A, a reduce-scatter (``matmul_reduce_scatter``), and 
 thunks in a row for XLA to build a command buffer). Prints ``<tag> OK ...`` or ``<tag> FAILED
 ...`` per check. MODE:
 
-* ``graphs`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1``, XLA's default LHS scheduling): the two
-  token-chained calls are recorded into a command buffer and replayed: host handler calls under
-  capture > 0, fewer host calls than device calls, every execution bitwise equal to the first,
-  values near a float32 reference.
-* ``inverted``: both processes run A-then-B once (workspaces warmed, values checked); then
-  process 1 runs the program traced with B before A -- the test-only inversion:
-  ``ORDER_INVERTED=1`` names the process that inverts (with order tokens, program order is
-  execution order, so the inversion is a program whose calls are written the other way round) --
-  while process 0 runs A-then-B again. Each process's first call waits for its peer's copy of the
-  same call, queued behind the peer's other call: the deadlock R2 is about. It must end bounded:
-  within a few ``timeout_s`` (3 s; plus a compilation), NaN outputs of the first call and a
-  `jaxoverlap.FusedCallError` naming its op.
+* ``graphs`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1``, XLA's default LHS scheduling; the
+  calls in a 4-step scan body, which XLA graphs and replays, its buffers keeping their addresses):
+  the two token-chained calls are recorded into a command buffer and replayed -- host handler
+  calls under capture > 0, fewer host calls than device calls, every execution bitwise equal to
+  the first, values near a float32 reference. Then the inversion: process ``ORDER_INVERTED``
+  runs the program traced with B before A (the test-only inversion: with order tokens, program
+  order is execution order, so the inverted order is a program whose calls are written the other
+  way round) while the other process runs A-then-B again. Each process's first call waits for
+  its peer's copy of the same call, queued behind the peer's other call: the deadlock R2 is
+  about. It must end bounded: within a few ``timeout_s`` (3 s here), NaN outputs of the first
+  call and a `jaxoverlap.FusedCallError` naming its op.
 * ``concurrent`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1`` and
   ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``): ``ORDER_ITERS`` executions (1,000),
   every one bitwise equal to the first, no error, values near the reference; the fused calls were
   kept out of the concurrent graphs (no handler call under capture: they ran as ordinary thunks
   in program order, jaxoverlap.runtime.command_buffers).
+
+Every mode first prints ``hlo_chain``: the token edge from A to B in XLA's optimized HLO.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(process, nproc, port, gpu, mode):
     import jaxoverlap
     from jaxoverlap import Config, runtime
 
-    timeout_s = 3.0 if mode == "inverted" else 60.0
+    timeout_s = 3.0 if mode == "graphs" else 60.0  # graphs: then the inversion, bounded
     # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
     cfg = Config(backend=os.environ.get("ORDER_BACKEND", "fused"), timeout_s=timeout_s)
     # graphs: the calls in a 4-step lax.scan body (XLA graphs a loop body and replays it, its
@@ -127,21 +128,27 @@ def main(process, nproc, port, gpu, mode):
     def bits(outs):
         return [np.asarray(s.data).view(np.uint16) for o in outs for s in o.addressable_shards]
 
-    f = program(False)
-    hlo_chain(f.lower(*args).compile().as_text())
+    # Compiled ahead of time (no compilation inside the timed runs; `FusedDispatch` keeps the
+    # order token on every call), the inverted program in the inverting process too, then a
+    # barrier: neither process's first call waits for the other's compilation.
+    f = program(False).lower(*args).compile()
+    hlo_chain(f.as_text())
+    inverted = mode == "graphs" and os.environ.get("ORDER_INVERTED") == str(process)
+    g = program(True).lower(*args).compile() if inverted else f
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
     nat = runtime.native()
     try:
         if mode == "graphs":
             run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps)
+            distributed.global_state.client.wait_at_barrier("order/graphs", 120_000)
+            run_inverted(g, inverted, args, process, shards, jaxoverlap, timeout_s)
         elif mode == "concurrent":
             run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax)
-        elif mode == "inverted":
-            run_inverted(f, program, args, process, rel_err, shards, jaxoverlap, timeout_s)
     except Exception as e:
         print(f"{mode} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
         traceback.print_exc()
-    from jax._src import distributed
-
     distributed.global_state.client.wait_at_barrier("order/done", 120_000)
 
 
@@ -214,18 +221,11 @@ def run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax):
     )
 
 
-def run_inverted(f, program, args, process, rel_err, shards, jaxoverlap, timeout_s):
+def run_inverted(c, inverted, args, process, shards, jaxoverlap, timeout_s):
+    """After `run_graphs` (both processes in order: workspaces warm, values right): process 1
+    runs the inverted program ``c`` while process 0 runs the same one again."""
     import jax
 
-    err = rel_err(jax.block_until_ready(f(*args)))  # both in order: workspaces warm, values right
-    jaxoverlap.check_errors()
-    print(f"in_order {'OK' if err < 5e-2 else 'FAILED'} rel_err={err:.1e}", flush=True)
-    inverted = os.environ.get("ORDER_INVERTED") == str(process)  # the process that inverts
-    c = program(True) if inverted else f
-    c.lower(*args).compile()  # (jit's own cache: compiled before the barrier, not timed)
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
     t0 = time.time()
     error = None
     first = 1 if inverted else 0  # the call each process runs first: B in process 1
@@ -240,9 +240,8 @@ def run_inverted(f, program, args, process, rel_err, shards, jaxoverlap, timeout
     op = ("jaxoverlap.matmul_reduce_scatter", "jaxoverlap.all_gather_matmul")[first]
     named = error is not None and op in str(error)
     typed = isinstance(error, jaxoverlap.FusedCallError)
-    # Bounded: a few timeouts (the first call's, then its peer's giving up at once), plus the
-    # first execution's compilation of the inverted program in process 1.
-    ok = named and typed and nan is not False and dt < 4 * timeout_s + 15
+    # Bounded: a few timeouts (the first call's, then the rest giving up at once: Peers::dead).
+    ok = named and typed and nan is not False and dt < 4 * timeout_s
     print(
         f"inverted {'OK' if ok else 'FAILED'} process={process} inverted={inverted} in "
         f"{dt:.1f}s nan={nan} error={type(error).__name__}: {str(error)[:300]}",

@@ -48,19 +48,24 @@ def _ok(outs, results, *tags):
             assert tag in r and " OK" in r[tag], f"process {p}: {r.get(tag)}\n{out[-4000:]}"
 
 
-def test_token_chained_calls_in_command_buffers(gpus_any):
-    outs, r = _order("graphs", JAXOVERLAP_COMMAND_BUFFERS="1")
-    _ok(outs, r, "hlo_chain", "graphs")
+@pytest.fixture(scope="module")
+def graphs_then_inverted(gpus_any):
+    """One pair of processes (order_worker.py mode ``graphs``): the command buffers, then the
+    inversion in process 1 (it leaves the processes' fused calls given up: last)."""
+    return _order("graphs", timeout=70, JAXOVERLAP_COMMAND_BUFFERS="1", ORDER_INVERTED="1")
 
 
-def test_inverted_order_deadlocks_once_bounded(gpus_any):
-    outs, r = _order("inverted", timeout=90, ORDER_INVERTED="1")
-    _ok(outs, r, "in_order", "inverted")
+def test_token_chained_calls_in_command_buffers(graphs_then_inverted):
+    _ok(*graphs_then_inverted, "hlo_chain", "graphs")
+
+
+def test_inverted_order_deadlocks_once_bounded(graphs_then_inverted):
+    _ok(*graphs_then_inverted, "inverted")
 
 
 def test_concurrent_command_buffers_keep_the_order(gpus_any):
     flags = f"{os.environ.get('XLA_FLAGS', '')} {FLAG}=CONCURRENT".strip()
-    outs, r = _order("concurrent", timeout=150, JAXOVERLAP_COMMAND_BUFFERS="1", XLA_FLAGS=flags)
+    outs, r = _order("concurrent", timeout=80, JAXOVERLAP_COMMAND_BUFFERS="1", XLA_FLAGS=flags)
     if any("Unknown flag" in out and FLAG[2:] in out for out in outs):
         pytest.skip(f"this XLA has no {FLAG}: no CONCURRENT command buffers to order")
     _ok(outs, r, "hlo_chain", "concurrent")
