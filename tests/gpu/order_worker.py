@@ -157,24 +157,34 @@ def hlo_chain(text):
     token, and A's token result (a get-tuple-element of A's call) is B's token operand."""
     import re
 
-    calls = {}  # name -> target, token operand
-    defs = {}  # name -> defining line
+    name = r"%[\w.\-]+"
+    defs = {}  # name -> the rest of its defining line
     for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*)$", line)
-        if not m:
-            continue
-        defs[m.group(1)] = m.group(2)
-        t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', line)
+        m = re.match(rf"\s*(?:ROOT )?({name}) = (.*)$", line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+    calls = {}  # name -> (target, its last operand)
+    for n, rest in defs.items():
+        t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', rest)
         if t:
-            tok = re.findall(r"token\[\] (%[\w.\-]+)", line.split("custom-call(", 1)[1])
-            calls[m.group(1)] = (t.group(1), tok[-1] if tok else None)
+            operands = re.findall(name, rest.split("custom-call(", 1)[1].split("), ", 1)[0])
+            calls[n] = (t.group(1), operands[-1] if operands else "")
+    tokens = all(defs.get(tok, "").startswith("token[]") for _, tok in calls.values())
     edges = []
     for target, tok in calls.values():
-        src = re.search(r"get-tuple-element\(.*?(%[\w.\-]+)\)", defs.get(tok or "", ""))
+        src = re.search(rf"get-tuple-element\(.*?({name})\)", defs.get(tok, ""))
         if src and src.group(1) in calls:
             edges.append(f"{calls[src.group(1)][0]}->{target}")
-    ok = len(calls) >= 2 and all(tok for _, tok in calls.values()) and edges
-    print(f"hlo_chain {'OK' if ok else 'FAILED'} calls={len(calls)} edges={edges}", flush=True)
+    ok = len(calls) >= 2 and tokens and edges
+    print(
+        f"hlo_chain {'OK' if ok else 'FAILED'} calls={len(calls)} token_operands={tokens} "
+        f"edges={edges}",
+        flush=True,
+    )
+    if not ok:  # what XLA printed, to see why
+        for n, rest in defs.items():
+            if "jaxoverlap_" in rest:
+                print("  hlo:", n, "=", rest[:300], flush=True)
 
 
 def run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps, executions=8):
