@@ -152,29 +152,88 @@ def main(process, nproc, port, gpu, mode):
     distributed.global_state.client.wait_at_barrier("order/done", 120_000)
 
 
+def _operand_names(args):
+    """The names in an HLO operand list, printed with or without types and ``%``."""
+    names, depth, word = [], 0, ""
+    for ch in args + ",":
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            names.append(word.split()[-1].lstrip("%") if word.split() else "")
+            word = ""
+        else:
+            word += ch
+    return names
+
+
+def _call_args(rest, op):
+    """The operand list of ``op(...)`` in the rest of an HLO line (up to its closing paren)."""
+    start = rest.index(op + "(") + len(op) + 1
+    depth = 1
+    for i in range(start, len(rest)):
+        depth += rest[i] == "("
+        depth -= rest[i] == ")"
+        if depth == 0:
+            return rest[start:i]
+    return rest[start:]
+
+
 def hlo_chain(text):
     """The order token in XLA's optimized HLO: each jaxoverlap custom call's last operand is a
-    token, and A's token result (a get-tuple-element of A's call) is B's token operand."""
+    token, and B's token operand is A's token result -- a get-tuple-element of A's call, followed
+    through the calls XLA wraps command buffers in (a parameter of the callee is the call's
+    operand; a result of the call is its callee's root tuple's element)."""
     import re
 
-    name = r"%[\w.\-]+"
-    defs = {}  # name -> the rest of its defining line
+    defs, comp_of, roots = {}, {}, {}  # name -> rest of its line / its computation; comp -> root
+    comp = None
     for line in text.splitlines():
-        m = re.match(rf"\s*(?:ROOT )?({name}) = (.*)$", line)
+        c = re.match(r"\s*(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$", line)
+        if c:
+            comp = c.group(1)
+            continue
+        m = re.match(r"\s*(ROOT )?%?([\w.\-]+) = (.*)$", line)
         if m:
-            defs[m.group(1)] = m.group(2)
+            defs[m.group(2)], comp_of[m.group(2)] = m.group(3), comp
+            if m.group(1):
+                roots[comp] = m.group(2)
     calls = {}  # name -> (target, its last operand)
     for n, rest in defs.items():
         t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', rest)
-        if t:
-            operands = re.findall(name, rest.split("custom-call(", 1)[1].split("), ", 1)[0])
+        if t and "custom-call(" in rest:
+            operands = _operand_names(_call_args(rest, "custom-call"))
             calls[n] = (t.group(1), operands[-1] if operands else "")
+
+    def source(name, index=None, depth=0):
+        """The jaxoverlap call whose result ``name`` (element ``index`` of it) is, or None."""
+        rest = defs.get(name, "")
+        if depth > 20 or not rest:
+            return None
+        if name in calls:
+            return name
+        if "get-tuple-element(" in rest:
+            (of,) = _operand_names(_call_args(rest, "get-tuple-element"))[:1] or [""]
+            k = re.search(r"index=(\d+)", rest)
+            return source(of, int(k.group(1)) if k else None, depth + 1)
+        if re.search(r"(?<![\w-])tuple\(", rest) and index is not None:
+            elems = _operand_names(_call_args(rest, "tuple"))
+            return source(elems[index], None, depth + 1) if index < len(elems) else None
+        callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)
+        if " call(" in " " + rest and callee:
+            return source(roots.get(callee.group(1), ""), index, depth + 1)
+        k = re.match(r"\S+ parameter\((\d+)\)", rest)
+        if k:  # a parameter of a called computation: the call's operand
+            callee_of = rf"(?:to_apply|calls)=%?{re.escape(comp_of[name])}(?![\w.\-])"
+            for srest in defs.values():
+                if re.search(callee_of, srest):
+                    operands = _operand_names(_call_args(srest, "call"))
+                    i = int(k.group(1))
+                    if " call(" in " " + srest and i < len(operands):
+                        return source(operands[i], index, depth + 1)
+        return None
+
     tokens = all(defs.get(tok, "").startswith("token[]") for _, tok in calls.values())
-    edges = []
-    for target, tok in calls.values():
-        src = re.search(rf"get-tuple-element\(.*?({name})\)", defs.get(tok, ""))
-        if src and src.group(1) in calls:
-            edges.append(f"{calls[src.group(1)][0]}->{target}")
+    edges = [f"{calls[src][0]}->{t}" for t, tok in calls.values() if (src := source(tok))]
     ok = len(calls) >= 2 and tokens and edges
     print(
         f"hlo_chain {'OK' if ok else 'FAILED'} calls={len(calls)} token_operands={tokens} "
@@ -183,8 +242,8 @@ def hlo_chain(text):
     )
     if not ok:  # what XLA printed, to see why
         for n, rest in defs.items():
-            if "jaxoverlap_" in rest:
-                print("  hlo:", n, "=", rest[:300], flush=True)
+            if "jaxoverlap_" in rest or any(n == tok for _, tok in calls.values()):
+                print("  hlo:", n, "=", rest[:400], flush=True)
 
 
 def run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps, executions=8):
