@@ -141,7 +141,7 @@ def main(process, nproc, port, gpu, mode):
     nat = runtime.native()
     try:
         if mode == "graphs":
-            run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps)
+            run_graphs(f, args, rel_err, bits, steps)
             distributed.global_state.client.wait_at_barrier("order/graphs", 120_000)
             run_inverted(g, inverted, args, process, shards, jaxoverlap, timeout_s)
         elif mode == "concurrent":
@@ -246,15 +246,10 @@ def hlo_chain(text):
                 print("  hlo:", n, "=", rest[:400], flush=True)
 
 
-def run_graphs(f, args, nat, rel_err, bits, jaxoverlap, steps, executions=8):
-    before = nat.handler_calls()
-    outs = [f(*args) for _ in range(executions)]
-    import jax
+def run_graphs(f, args, rel_err, bits, steps, executions=8):
+    from tests.gpu.xproc_worker import run_counted
 
-    jax.block_until_ready(outs)
-    jaxoverlap.check_errors()
-    after = nat.handler_calls()
-    calls, captured = after[0] - before[0], after[1] - before[1]
+    outs, calls, captured = run_counted(f, args, executions)
     first = bits(outs[0])
     same = all(all(np.array_equal(a, b) for a, b in zip(first, bits(o))) for o in outs[1:])
     err = rel_err(outs[0])

@@ -217,6 +217,23 @@ def main(process, nproc, port, gpu, mode):
     distributed.global_state.client.wait_at_barrier("xproc/done", 120_000)
 
 
+def run_counted(f, args, executions):
+    """``executions`` runs of ``f(*args)``, checked for errors: (their outputs, host calls of
+    the fused handlers meanwhile, how many of them XLA was capturing into a CUDA graph)."""
+    import jax
+
+    import jaxoverlap
+    from jaxoverlap import runtime
+
+    nat = runtime.native()
+    before = nat.handler_calls()
+    outs = [f(*args) for _ in range(executions)]
+    jax.block_until_ready(outs)
+    jaxoverlap.check_errors()
+    after = nat.handler_calls()
+    return outs, after[0] - before[0], after[1] - before[1]
+
+
 def run_graphs(mesh, arr, process, dump, executions=5):
     """Fused ops among enough other work for XLA to put them in a command buffer (at least
     xla_gpu_graph_min_graph_size = 5 convertible thunks in a row), plain and as the body of a
@@ -231,9 +248,8 @@ def run_graphs(mesh, arr, process, dump, executions=5):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, runtime
+    from jaxoverlap import Config
 
-    nat = runtime.native()
     cfg = Config(backend="fused", timeout_s=60.0)
     ce = Config(backend="fused", comm_sms=0, timeout_s=60.0)
     rng = np.random.default_rng(7)
@@ -281,12 +297,7 @@ def run_graphs(mesh, arr, process, dump, executions=5):
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xs, ws, P()), out_specs=os_))
                 args = (arr(x, xs), arr(w, ws), arr(u[width], P()))
                 steps = L if scan else 1
-                before = nat.handler_calls()
-                outs = [f(*args) for _ in range(executions)]
-                jax.block_until_ready(outs)
-                jaxoverlap.check_errors()
-                after = nat.handler_calls()
-                calls, captured = after[0] - before[0], after[1] - before[1]
+                outs, calls, captured = run_counted(f, args, executions)
                 (shard,) = outs[0].addressable_shards
                 got = np.asarray(shard.data, np.float32)
                 bits = [np.asarray(o.addressable_shards[0].data).view(np.uint16) for o in outs]
