@@ -357,6 +357,18 @@ def test_ahead_of_time_executable_runs_twice():
         np.testing.assert_array_equal(c(*args), first)
 
 
+def test_the_extension_registers_v2_their_twins_and_v1():
+    """ffi/registry.cc: every target the lowering emits (fused/targets.py), its _knobs twin, and
+    the _v1 target that programs compiled before issue 26 name (kept, unchanged)."""
+    from jaxoverlap.fused import targets
+
+    if runtime.native() is None:
+        pytest.skip(f"the native extension is not built here: {runtime.unavailable_reason()}")
+    names = set(runtime.native().registrations())
+    v1 = {t.replace("_v2", "_v1") for t in targets.ALL}
+    assert names == set(targets.ALL) | {targets.with_knobs(t) for t in targets.ALL} | v1
+
+
 # ----------------------------------------------------------------------------- CONCURRENT
 
 
