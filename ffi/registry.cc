@@ -20,16 +20,23 @@
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmArV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapRsV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKeepV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAgGemmKV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsCeV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapGemmRsTileV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapDgradRsWgradAccV1);
+// Each fused target has three symbols (handlers/fused_call.h, JAXOVERLAP_FUSED_TARGET): _v1 (no
+// order token; test knobs as attributes), _v2 (order token; production attributes only) and
+// _v2_knobs (the same with the test- and tool-only knobs).
+#define JAXOVERLAP_DECLARE(name)             \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V1); \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V2); \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V2Knobs)
+JAXOVERLAP_DECLARE(JaxoverlapGemmRs);
+JAXOVERLAP_DECLARE(JaxoverlapGemmAr);
+JAXOVERLAP_DECLARE(JaxoverlapRs);
+JAXOVERLAP_DECLARE(JaxoverlapAgGemm);
+JAXOVERLAP_DECLARE(JaxoverlapAgGemmKeep);
+JAXOVERLAP_DECLARE(JaxoverlapAgGemmK);
+JAXOVERLAP_DECLARE(JaxoverlapDgradRsWgrad);
+JAXOVERLAP_DECLARE(JaxoverlapGemmRsCe);
+JAXOVERLAP_DECLARE(JaxoverlapGemmRsTile);
+JAXOVERLAP_DECLARE(JaxoverlapDgradRsWgradAcc);
 
 namespace nb = nanobind;
 
@@ -261,16 +268,23 @@ nb::dict registrations() {
     s["execute"] = capsule(fn);
     return s;
   };
-  d["jaxoverlap_gemm_rs_v1"] = stages(JaxoverlapGemmRsV1);
-  d["jaxoverlap_gemm_ar_v1"] = stages(JaxoverlapGemmArV1);
-  d["jaxoverlap_rs_v1"] = stages(JaxoverlapRsV1);
-  d["jaxoverlap_ag_gemm_v1"] = stages(JaxoverlapAgGemmV1);
-  d["jaxoverlap_ag_gemm_keep_v1"] = stages(JaxoverlapAgGemmKeepV1);
-  d["jaxoverlap_ag_gemm_k_v1"] = stages(JaxoverlapAgGemmKV1);
-  d["jaxoverlap_dgrad_rs_wgrad_v1"] = stages(JaxoverlapDgradRsWgradV1);
-  d["jaxoverlap_gemm_rs_ce_v1"] = stages(JaxoverlapGemmRsCeV1);
-  d["jaxoverlap_gemm_rs_tile_v1"] = stages(JaxoverlapGemmRsTileV1);
-  d["jaxoverlap_dgrad_rs_wgrad_acc_v1"] = stages(JaxoverlapDgradRsWgradAccV1);
+  // jaxoverlap/fused/targets.py names the _v2 targets the lowering emits; the _v1 targets stay
+  // registered for programs compiled before them (docs/ordering-and-stream-memops.md, section 1).
+#define JAXOVERLAP_REGISTER(name, text)                 \
+  d["jaxoverlap_" text "_v1"] = stages(name##V1);       \
+  d["jaxoverlap_" text "_v2"] = stages(name##V2);       \
+  d["jaxoverlap_" text "_v2_knobs"] = stages(name##V2Knobs)
+  JAXOVERLAP_REGISTER(JaxoverlapGemmRs, "gemm_rs");
+  JAXOVERLAP_REGISTER(JaxoverlapGemmAr, "gemm_ar");
+  JAXOVERLAP_REGISTER(JaxoverlapRs, "rs");
+  JAXOVERLAP_REGISTER(JaxoverlapAgGemm, "ag_gemm");
+  JAXOVERLAP_REGISTER(JaxoverlapAgGemmKeep, "ag_gemm_keep");
+  JAXOVERLAP_REGISTER(JaxoverlapAgGemmK, "ag_gemm_k");
+  JAXOVERLAP_REGISTER(JaxoverlapDgradRsWgrad, "dgrad_rs_wgrad");
+  JAXOVERLAP_REGISTER(JaxoverlapGemmRsCe, "gemm_rs_ce");
+  JAXOVERLAP_REGISTER(JaxoverlapGemmRsTile, "gemm_rs_tile");
+  JAXOVERLAP_REGISTER(JaxoverlapDgradRsWgradAcc, "dgrad_rs_wgrad_acc");
+#undef JAXOVERLAP_REGISTER
   return d;
 }
 

@@ -27,6 +27,10 @@ log = logging.getLogger("jaxoverlap")
 # error surfaces later (check_errors() or a call that is not replayed). Off, every fused call
 # splits its command buffer.
 COMMAND_BUFFERS = os.environ.get("JAXOVERLAP_COMMAND_BUFFERS", "0") == "1"
+# The XLA flag whose CONCURRENT modes order a command buffer's commands by their buffers alone:
+# the fused calls' order tokens (jaxoverlap/fused/call.py) have no buffer, so there they would run
+# unordered (docs/ordering-and-stream-memops.md, section 1).
+SCHEDULING_FLAG = "xla_gpu_command_buffer_scheduling_mode"
 _lock = threading.Lock()
 _native = None
 _load_error: str | None = None
@@ -101,13 +105,52 @@ def register_targets():
         from jax._src.lib import xla_client
 
         traits = xla_client.CustomCallTargetTraits.DEFAULT
-        if COMMAND_BUFFERS:  # XLA may capture the handlers into CUDA graphs (ffi/runtime/runtime.h)
+        if command_buffers():  # XLA may capture the handlers in CUDA graphs (ffi/runtime/runtime.h)
             traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, stages in mod.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)
         _registered = True
     # Outside the lock: the fingerprint loads the extension through native(), which takes it.
     _share_gemm_choices(mod)
+
+
+def concurrent_scheduling(flags=None):
+    """The CONCURRENT mode ``XLA_FLAGS`` (or ``flags``) sets for command buffers
+    (``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` or ``CONCURRENT_REGIONS``; the last
+    occurrence wins, as in XLA), else None. Per-``jit`` ``compiler_options`` are not visible
+    here (docs/ordering-and-stream-memops.md, section 1)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    mode = None
+    for word in flags.split():
+        name, _, value = word.lstrip("-").partition("=")
+        if name == SCHEDULING_FLAG:
+            mode = value.strip("'\"").upper()
+    return mode if mode in ("CONCURRENT", "CONCURRENT_REGIONS") else None
+
+
+def command_buffers():
+    """Whether the targets are registered COMMAND_BUFFER_COMPATIBLE:
+    ``JAXOVERLAP_COMMAND_BUFFERS=1`` and no CONCURRENT scheduling in ``XLA_FLAGS``
+    (`concurrent_scheduling`). In a CONCURRENT graph XLA orders commands by the buffers they
+    share, and the fused calls' order tokens have none, so two fused calls could start in
+    different orders on two GPUs (a wait out to the timeout) or share a workspace's epoch: the
+    targets then run as ordinary thunks, between graphs, in the program's order (XLA's own work
+    still runs in concurrent graphs), with one warning."""
+    if not COMMAND_BUFFERS:
+        return False
+    mode = concurrent_scheduling()
+    if mode is None:
+        return True
+    log.warning(
+        "jaxoverlap: JAXOVERLAP_COMMAND_BUFFERS=1 is ignored for the fused calls: XLA_FLAGS sets "
+        "--%s=%s, where a command buffer orders commands by their buffers only and the fused "
+        "calls would run unordered; they run outside command buffers instead, in program order "
+        "(use --%s=LHS, the default, to capture them)",
+        SCHEDULING_FLAG,
+        mode,
+        SCHEDULING_FLAG,
+    )
+    return False
 
 
 def _share_gemm_choices(mod):

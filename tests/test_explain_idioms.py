@@ -74,9 +74,9 @@ def test_explain_verdict_is_what_lowering_emits(lowering_only, monkeypatch, case
 @pytest.mark.parametrize(
     "config, kernel, how",
     [
-        (Config(backend="fused", comm_sms=0), "jaxoverlap_gemm_rs_ce_v1", "copy engine"),
-        (Config(backend="fused", schedule="tile"), "jaxoverlap_gemm_rs_tile_v1", "tile"),
-        (Config(backend="fused", chunks=1, comm_sms=8), "jaxoverlap_gemm_rs_v1", "1 chunk(s)"),
+        (Config(backend="fused", comm_sms=0), "jaxoverlap_gemm_rs_ce_v2", "copy engine"),
+        (Config(backend="fused", schedule="tile"), "jaxoverlap_gemm_rs_tile_v2", "tile"),
+        (Config(backend="fused", chunks=1, comm_sms=8), "jaxoverlap_gemm_rs_v2", "1 chunk(s)"),
     ],
 )
 def test_explain_names_the_kernel_and_schedule_lowering_emits(lowering_only, config, kernel, how):
@@ -110,7 +110,7 @@ def test_explain_names_the_tuned_schedule(tmp_path, monkeypatch):
     tune.record(key, entry, cache)
     (c,) = [c for c in explain(f, *args, target=target, tuning_cache=cache) if c.rewritten]
     assert c.path == "fused (tuned: 0.700 ms fused vs 1.000 ms XLA)", c
-    assert c.kernel == "jaxoverlap_gemm_rs_tile_v1 (the tile schedule)", c
+    assert c.kernel == "jaxoverlap_gemm_rs_tile_v2 (the tile schedule)", c
 
 
 # ----------------------------------------------------------------------------- advice, applied

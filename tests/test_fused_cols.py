@@ -1,5 +1,5 @@
 """The reduce-scatter over the last dimension (jaxoverlap/fused/last_dim.py), lowered for CUDA
-without a GPU: one jaxoverlap_gemm_rs_v1 call of the transposed problem with both operands
+without a GPU: one jaxoverlap_gemm_rs_v2 call of the transposed problem with both operands
 column-major (w.T and x.T are w and x as they are) and the result column-major, no XLA
 reduce-scatter; a transposed weight (w_colmajor) is read row-major instead; `auto` keeps XLA's
 path until the kernel has run on two GPUs. The values: tests/gpu/test_xproc_gpu.py (two
@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import Config, fused
+
+TOKEN = "!stablehlo.token"  # every fused call's last operand and result (the order)
 
 
 def _lower(x_shape, w_shape, cfg):
@@ -41,7 +43,10 @@ def test_last_dimension_is_one_call_of_the_transposed_problem(lowering_only, mon
     assert "reduce_scatter" not in text
     m = int(np.prod(x_shape[:-1]))
     # A = w.T [N, K], B = x.T [K, M], both column-major; out [M, N / 2] column-major.
-    assert f"(tensor<768x512xbf16>, tensor<512x{m}xbf16>) -> tensor<{m}x384xbf16>" in call, call
+    assert (
+        f"(tensor<768x512xbf16>, tensor<512x{m}xbf16>, {TOKEN}) -> (tensor<{m}x384xbf16>, {TOKEN})"
+        in call
+    ), call
     assert "x_colmajor = 1" in call and "w_colmajor = 1" in call
     layouts = re.findall(r"dense<\[0, 1\]> : tensor<2xindex>", call)
     assert len(layouts) == 3, call  # two operands and the result, minor-to-major [0, 1]
@@ -74,7 +79,10 @@ def test_transposed_weight_is_read_row_major(lowering_only, monkeypatch):
     (call,) = calls
     assert "x_colmajor = 0" in call and "w_colmajor = 1" in call, call
     # A = w [K, N] as is (row-major), B = ct.T [N, M] (ct read column-major); dx [M, K / 2].
-    assert "(tensor<1024x768xbf16>, tensor<768x1024xbf16>) -> tensor<1024x512xbf16>" in call, call
+    assert (
+        f"(tensor<1024x768xbf16>, tensor<768x1024xbf16>, {TOKEN}) -> "
+        f"(tensor<1024x512xbf16>, {TOKEN})" in call
+    ), call
     assert "operand_layouts = [dense<[1, 0]> : tensor<2xindex>, dense<[0, 1]>" in call, call
 
 
@@ -136,7 +144,8 @@ def test_gather_along_k_is_one_call_with_a_float32_sum(lowering_only, monkeypatc
     out = "x".join(map(str, (*x_shape[:-1], 384)))
     m = int(np.prod(x_shape[:-1]))
     want = (
-        f"(tensor<{local}xbf16>, tensor<512x384xbf16>) -> (tensor<{out}xbf16>, tensor<{m}x384xf32>)"
+        f"(tensor<{local}xbf16>, tensor<512x384xbf16>, {TOKEN}) -> "
+        f"(tensor<{out}xbf16>, tensor<{m}x384xf32>, {TOKEN})"
     )
     assert want in call, call
     assert "chunks = 1" in call and "comm_sms = 0" in call

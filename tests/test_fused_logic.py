@@ -18,6 +18,8 @@ import jaxoverlap
 from jaxoverlap import Config, fused, runtime
 from jaxoverlap.fused import tile as fused_tile
 
+TOKEN = "!stablehlo.token"  # every fused call's last operand and result (the order)
+
 OP = "matmul_reduce_scatter"
 
 
@@ -73,12 +75,15 @@ def test_cuda_lowering_of_all_reduce_is_one_fused_call(lowering_only, x_shape, c
     assert "all_gather" not in text and "all_reduce" not in text and "reduce_scatter" not in text
     local = "x".join(map(str, (*x_shape[:-1], 256)))
     out = "x".join(map(str, (*x_shape[:-1], 384)))
-    assert f"(tensor<{local}xbf16>, tensor<256x384xbf16>) -> tensor<{out}xbf16>" in call, call
+    assert (
+        f"(tensor<{local}xbf16>, tensor<256x384xbf16>, {TOKEN}) -> (tensor<{out}xbf16>, {TOKEN})"
+        in call
+    ), call
     assert "ordinals = dense<[1, 0]>" in call and "ranks = dense<[0, 1]>" in call
     assert "groups = dense<[1, 0, 1, 0]>" in call and "n = 2" in call
     want_chunks, want_sms = (chunks, comm_sms) if chunks else fused._DEFAULT_SETTING
     assert f"chunks = {want_chunks}" in call and f"comm_sms = {want_sms}" in call
-    assert "timeout_s = 7.0" in call and "stall_rank = -1" in call
+    assert "timeout_s = 7.0" in call and "stall_rank" not in call  # knobs: only on twins
     assert "w_colmajor = 0" in call and "x_colmajor = 0" in call  # the handler binds both
 
 
@@ -96,9 +101,9 @@ def test_all_reduce_stall_knob_reaches_its_call_only(lowering_only):
     with fused._stalled_rank_for_tests(1, fused.GEMM_AR_TARGET):
         f = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
         text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}" in ln]
-    (rs,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}" in ln]
-    assert "stall_rank = 1" in ar and "stall_rank = -1" in rs
+    (ar,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_AR_TARGET}_knobs(" in ln]
+    (rs,) = [ln for ln in text.splitlines() if f"@{fused.GEMM_RS_TARGET}(" in ln]
+    assert "stall_rank = 1" in ar and "stall_rank" not in rs  # rs: the production target
 
 
 def test_reasons(native_ok, monkeypatch):
@@ -208,7 +213,7 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch, lowering_only):
     assert "ordinals = dense<[2, 0, 3, 1]>" in call
     assert "ranks = dense<[0, 1, 0, 1]>" in call
     assert "groups = dense<[2, 0, 2, 0, 3, 1, 3, 1]>" in call
-    assert "n = 2" in call and "stall_rank = -1" in call
+    assert "n = 2" in call and "stall_rank" not in call
 
 
 @pytest.mark.parametrize("tuned_sms,new_kernels", [(None, False), (0, True), (0, False)])
@@ -343,7 +348,10 @@ def test_tile_schedule_lowering(monkeypatch, lowering_only, how):
         assert any(f"@{fused.GEMM_RS_TARGET}(" in ln for ln in text.splitlines())
         return
     (call,) = tile_calls
-    assert "(tensor<1024x512xbf16>, tensor<512x384xbf16>) -> tensor<512x384xbf16>" in call, call
+    assert (
+        f"(tensor<1024x512xbf16>, tensor<512x384xbf16>, {TOKEN}) -> (tensor<512x384xbf16>, {TOKEN})"
+        in call
+    ), call
     want = 2 if how == "tuned" else fused_tile.DEFAULT_SWIZZLE
     assert f"swizzle = {want}" in call and "comm_sms = 0" in call and "chunks = 1" in call
     assert "timeout_s = 9.0" in call and "ordinals = dense<[1, 0]>" in call

@@ -60,11 +60,12 @@ def _patch(monkeypatch, name, value):
 
 
 def _types(text):
-    """Split ``tensor<..>, tensor<..>`` (or one type, or a parenthesised tuple) into types."""
+    """Split ``tensor<..>, !stablehlo.token`` (or one type, or a parenthesised tuple) into
+    types (the order token is every _v2 call's last operand and last result)."""
     text = text.strip()
     if text.startswith("(") and text.endswith(")"):
         text = text[1:-1]
-    return re.findall(r"tensor<[^>]*>", text)
+    return re.findall(r"tensor<[^>]*>|!stablehlo\.token", text)
 
 
 def _attributes(text):
@@ -241,10 +242,11 @@ def tma_rs(shape=(2 * 1024, 512), **kw):
 
 
 def knobs(which):
-    """The test-only and tool-only knobs reach the calls' attributes (stall_rank, profile)."""
+    """The test-only and tool-only knobs reach the calls' attributes (stall_rank, profile), on
+    the targets' ``_knobs`` twins only (D17): a call the knob does not name stays production."""
     fused = importlib.import_module("jaxoverlap.fused")
     ctx = {
-        "stall": lambda: fused._stalled_rank_for_tests(1, "jaxoverlap_gemm_ar_v1"),
+        "stall": lambda: fused._stalled_rank_for_tests(1, fused.GEMM_AR_TARGET),
         "failed": lambda: fused._failed_rank_for_tests(0),
         "gemm_only": fused._gemm_only_for_tools,
     }[which]
@@ -385,17 +387,25 @@ def test_golden_covers_every_case_and_target():
     golden = _load()
     assert sorted(golden) == sorted(CASES), "run with JAXOVERLAP_UPDATE_GOLDEN=1 and review"
     targets = {c["target"] for g in golden.values() for c in g["calls"]}
+    # The knobs' twins (D17) only where a knob is set, and no production call carries a knob.
+    for case, g in golden.items():
+        for c in g["calls"]:
+            assert case.startswith("knobs/") or not c["target"].endswith("_knobs"), (case, c)
+            knobs = {"stall_rank", "profile"} & set(c["attributes"]["mhlo.backend_config"])
+            assert bool(knobs) == c["target"].endswith("_knobs"), c
+            assert c["operands"][-1] == c["results"][-1] == "!stablehlo.token", c
+    targets = {t for t in targets if not t.endswith("_knobs")}
     assert targets == {
-        "jaxoverlap_gemm_rs_v1",
-        "jaxoverlap_gemm_ar_v1",
-        "jaxoverlap_gemm_rs_ce_v1",
-        "jaxoverlap_gemm_rs_tile_v1",
-        "jaxoverlap_ag_gemm_v1",
-        "jaxoverlap_ag_gemm_keep_v1",
-        "jaxoverlap_ag_gemm_k_v1",
-        "jaxoverlap_dgrad_rs_wgrad_v1",
-        "jaxoverlap_dgrad_rs_wgrad_acc_v1",
-        "jaxoverlap_rs_v1",
+        "jaxoverlap_gemm_rs_v2",
+        "jaxoverlap_gemm_ar_v2",
+        "jaxoverlap_gemm_rs_ce_v2",
+        "jaxoverlap_gemm_rs_tile_v2",
+        "jaxoverlap_ag_gemm_v2",
+        "jaxoverlap_ag_gemm_keep_v2",
+        "jaxoverlap_ag_gemm_k_v2",
+        "jaxoverlap_dgrad_rs_wgrad_v2",
+        "jaxoverlap_dgrad_rs_wgrad_acc_v2",
+        "jaxoverlap_rs_v2",
     }
 
 

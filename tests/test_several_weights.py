@@ -142,7 +142,7 @@ def test_cuda_lowering_of_the_training_step(lowering_only):
     )
     acc = [ln for ln in text.splitlines() if f"@{fused_backward.ACC_TARGET}" in ln]
     assert len(acc) == 1 and "w_colmajor = 1" in acc[0], acc
-    assert text.count("@jaxoverlap_ag_gemm_keep_v1") == 1
+    assert text.count("@jaxoverlap_ag_gemm_keep_v2") == 1
     for name in ("all_gather", "reduce_scatter", "concatenate"):
         assert name not in text, name
 

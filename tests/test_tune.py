@@ -195,19 +195,19 @@ def _from_cache(op, m, k, n_cols, dtype, n, target=None):
 
 # kind -> (tuning key (op, m, k, n) of its per-device shape, the winning candidate, its target)
 HELD_BACK = {
-    "tile": (("matmul_reduce_scatter", 1024, 512, 384), "tile", "jaxoverlap_gemm_rs_tile_v1"),
-    "copy_engine": (("matmul_reduce_scatter", 1024, 512, 384), (4, 0), "jaxoverlap_gemm_rs_ce_v1"),
+    "tile": (("matmul_reduce_scatter", 1024, 512, 384), "tile", "jaxoverlap_gemm_rs_tile_v2"),
+    "copy_engine": (("matmul_reduce_scatter", 1024, 512, 384), (4, 0), "jaxoverlap_gemm_rs_ce_v2"),
     "last_dim": (
         ("matmul_reduce_scatter_last_dim", 1024, 512, 768),
         (1, 4),
-        "jaxoverlap_gemm_rs_v1",
+        "jaxoverlap_gemm_rs_v2",
     ),
-    "along_k": (("all_gather_matmul_along_k", 1024, 512, 384), (1, 0), "jaxoverlap_ag_gemm_k_v1"),
-    "keep": (("all_gather_matmul_keep", 1024, 256, 384), (1, None), "jaxoverlap_ag_gemm_keep_v1"),
+    "along_k": (("all_gather_matmul_along_k", 1024, 512, 384), (1, 0), "jaxoverlap_ag_gemm_k_v2"),
+    "keep": (("all_gather_matmul_keep", 1024, 256, 384), (1, None), "jaxoverlap_ag_gemm_keep_v2"),
     "backward": (
         ("all_gather_matmul_backward", 1024, 256, 384),
         (1, 0),
-        "jaxoverlap_dgrad_rs_wgrad_v1",
+        "jaxoverlap_dgrad_rs_wgrad_v2",
     ),
 }
 
@@ -302,16 +302,16 @@ def test_a_measured_entry_lets_auto_take_a_held_back_kernel(
         old = _lower_auto(kind)
         assert f"@{target}" not in old
         if kind in ("tile", "copy_engine"):  # the chunked SM schedule the entry allows
-            assert "@jaxoverlap_gemm_rs_v1" in old and "comm_sms = 4" in old
+            assert "@jaxoverlap_gemm_rs_v2" in old and "comm_sms = 4" in old
     tune.record(key, _measured_entry(best))
     assert _reason(kind) is None
     text = _lower_auto(kind)
     calls = [ln for ln in text.splitlines() if f"@{target}" in ln]
     assert len(calls) == 1, text[-2000:]
     if kind == "keep":  # the backward is still untuned: the sibling reduce-scatter, XLA's
-        assert "@jaxoverlap_dgrad_rs_wgrad_v1" not in text
+        assert "@jaxoverlap_dgrad_rs_wgrad_v2" not in text
     if kind == "backward":  # measured without the forward: that stays XLA's gather
-        assert "@jaxoverlap_ag_gemm_keep_v1" not in text and "all_gather" in text
+        assert "@jaxoverlap_ag_gemm_keep_v2" not in text and "all_gather" in text
     monkeypatch.setattr(fused.policy, "AUTO_NEW_KERNELS", True)  # opted in: the same kernel
     assert f"@{target}" in _lower_auto(kind)
 

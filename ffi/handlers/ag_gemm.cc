@@ -192,13 +192,13 @@ ffi::Error AgGemmKeepImpl(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
 // x [m, ..., K] (along K: [..., K / n]), w [K, N] -> out [n * m, ..., N] (along K: [..., N]),
 // the variant's second result; w_colmajor: w stored column-major.
-JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmV1, jaxoverlap::AgGemmImpl,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemm, jaxoverlap::AgGemmImpl,
                         JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor"));
-JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmKeepV1, jaxoverlap::AgGemmKeepImpl,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmKeep, jaxoverlap::AgGemmKeepImpl,
                         JAXOVERLAP_GEMM_BUFFERS
                             .Ret<xla::ffi::AnyBuffer>()  // gathered x [n * m, ..., K]
                             .Attr<int64_t>("w_colmajor"));
-JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmKV1, jaxoverlap::AgGemmKImpl,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapAgGemmK, jaxoverlap::AgGemmKImpl,
                         JAXOVERLAP_GEMM_BUFFERS
                             .Ret<xla::ffi::AnyBuffer>()  // f32 scratch [rows, N]
                             .Attr<int64_t>("w_colmajor"));

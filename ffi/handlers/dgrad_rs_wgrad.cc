@@ -149,6 +149,6 @@ ffi::Error DgradRsWgradAccImpl(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuff
           __VA_ARGS__.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()                     \
           .Ret<xla::ffi::AnyBuffer>()                                                           \
           .Attr<int64_t>("w_colmajor"))
-JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradV1, jaxoverlap::DgradRsWgradImpl);
-JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradAccV1, jaxoverlap::DgradRsWgradAccImpl,
+JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgrad, jaxoverlap::DgradRsWgradImpl);
+JAXOVERLAP_DGRAD_TARGET(JaxoverlapDgradRsWgradAcc, jaxoverlap::DgradRsWgradAccImpl,
                         .Arg<xla::ffi::AnyBuffer>());  // e

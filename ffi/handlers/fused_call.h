@@ -290,52 +290,100 @@ using Call = FusedCall::Call;
 
 // The attributes every fused target takes after its own (the lowering, jaxoverlap/fused/call.py,
 // sends them by name; XLA matches attributes by name, so their place in the binding is free).
-template <typename Binding>
+// The _v2 targets bind the production attributes only; their `_knobs` twins (test- and tool-only,
+// D17) also `stall_rank` and `profile`, as every _v1 target does.
+template <bool kKnobs, typename Binding>
 auto bind_common_attrs(Binding&& binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("site")
-      .template Attr<ffi::Span<const int32_t>>("ordinals")
-      .template Attr<ffi::Span<const int32_t>>("ranks")
-      .template Attr<ffi::Span<const int32_t>>("groups")
-      .template Attr<int64_t>("n")
-      .template Attr<int64_t>("comm_sms")
-      .template Attr<int64_t>("chunks")
-      .template Attr<double>("timeout_s")
-      .template Attr<int64_t>("stall_rank")
-      .template Attr<int64_t>("profile")
-      .template Attr<int64_t>("call_tag")  // with the run id: which logical call (call_order.h)
-      .template Ctx<ffi::RunId>();
+  auto common = std::move(binding)
+                    .template Attr<int64_t>("site")
+                    .template Attr<ffi::Span<const int32_t>>("ordinals")
+                    .template Attr<ffi::Span<const int32_t>>("ranks")
+                    .template Attr<ffi::Span<const int32_t>>("groups")
+                    .template Attr<int64_t>("n")
+                    .template Attr<int64_t>("comm_sms")
+                    .template Attr<int64_t>("chunks")
+                    .template Attr<double>("timeout_s")
+                    // with the run id: which logical call (call_order.h)
+                    .template Attr<int64_t>("call_tag");
+  if constexpr (kKnobs)
+    return std::move(common)
+        .template Attr<int64_t>("stall_rank")
+        .template Attr<int64_t>("profile")
+        .template Ctx<ffi::RunId>();
+  else
+    return std::move(common).template Ctx<ffi::RunId>();
 }
 
-// The entry XLA calls for a handler `ffi::Error Impl(const Call&, buffers..., own attributes...)`:
-// XLA's stream and device, Impl's arguments, then the common attributes and the run id, which it
-// hands on as one Call.
+// The entries XLA calls for a handler `ffi::Error Impl(const Call&, buffers..., own
+// attributes...)`: XLA's stream and device, Impl's arguments, (_v2: the order token in and out,
+// bound after Impl's buffers, so each is the call's last operand and last result), then the common
+// attributes and the run id, which they hand on as one Call. Production calls (_v2) carry no
+// test-only knob: Impl sees their neutral values (stall_rank -1, profile 0).
 template <auto Impl>
 struct Entry;
 template <typename... T, ffi::Error (*Impl)(const Call&, T...)>
 struct Entry<Impl> {
-  static ffi::Error call(cudaStream_t stream, int32_t device, T... args, int64_t site,
-                         ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                         ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                         int64_t chunks, double timeout_s, int64_t stall_rank, int64_t profile,
-                         int64_t call_tag, ffi::RunId run_id) {
+  static ffi::Error run(cudaStream_t stream, int32_t device, T... args, int64_t site,
+                        ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                        ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                        int64_t chunks, double timeout_s, int64_t call_tag, int64_t stall_rank,
+                        int64_t profile, int64_t run_id) {
     return Impl(Call{stream, device,
                      {site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank,
-                      profile, call_tag, run_id.run_id}},
+                      profile, call_tag, run_id}},
                 std::move(args)...);
+  }
+  // _v1 (no token; knobs as attributes): kept for programs compiled against it.
+  static ffi::Error v1(cudaStream_t stream, int32_t device, T... args, int64_t site,
+                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                       int64_t chunks, double timeout_s, int64_t call_tag, int64_t stall_rank,
+                       int64_t profile, ffi::RunId run_id) {
+    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+               chunks, timeout_s, call_tag, stall_rank, profile, run_id.run_id);
+  }
+  static ffi::Error v2(cudaStream_t stream, int32_t device, T... args, ffi::Token,
+                       ffi::Result<ffi::Token>, int64_t site, ffi::Span<const int32_t> ordinals,
+                       ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
+                       int64_t n, int64_t comm_sms, int64_t chunks, double timeout_s,
+                       int64_t call_tag, ffi::RunId run_id) {
+    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+               chunks, timeout_s, call_tag, /*stall_rank=*/-1, /*profile=*/0, run_id.run_id);
+  }
+  static ffi::Error v2_knobs(cudaStream_t stream, int32_t device, T... args, ffi::Token,
+                             ffi::Result<ffi::Token>, int64_t site,
+                             ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                             ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                             int64_t chunks, double timeout_s, int64_t call_tag,
+                             int64_t stall_rank, int64_t profile, ffi::RunId run_id) {
+    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+               chunks, timeout_s, call_tag, stall_rank, profile, run_id.run_id);
   }
 };
 
 }  // namespace jaxoverlap
 
-// Defines the FFI symbol `symbol` of handler `impl`, whose buffers and own attributes are bound by
-// the binding steps `...` (.Arg<>(), .Ret<>(), .Attr<>(); registry.cc gives the symbol its name).
-#define JAXOVERLAP_FUSED_TARGET(symbol, impl, ...)                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                  \
-      symbol, jaxoverlap::Entry<impl>::call,                                      \
-      jaxoverlap::bind_common_attrs(xla::ffi::Ffi::Bind()                         \
-                                        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
-                                        .Ctx<xla::ffi::DeviceOrdinal>() __VA_ARGS__))
+// The stream and device every fused target gets first.
+#define JAXOVERLAP_FFI_PRELUDE                                         \
+  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
+      .Ctx<xla::ffi::DeviceOrdinal>()
+// Defines the FFI symbols `name`V1, `name`V2 and `name`V2Knobs of handler `impl`, whose buffers and
+// own attributes are bound by the binding steps `...` (.Arg<>(), .Ret<>(), .Attr<>(); registry.cc
+// gives the symbols their names: jaxoverlap_..._v1, _v2 and _v2_knobs).
+#define JAXOVERLAP_FUSED_TARGET(name, impl, ...)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
+      name##V1, jaxoverlap::Entry<impl>::v1,                                                 \
+      jaxoverlap::bind_common_attrs<true>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__));              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
+      name##V2, jaxoverlap::Entry<impl>::v2,                                                 \
+      jaxoverlap::bind_common_attrs<false>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__                \
+                                               .Arg<xla::ffi::Token>()                       \
+                                               .Ret<xla::ffi::Token>()));                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
+      name##V2Knobs, jaxoverlap::Entry<impl>::v2_knobs,                                      \
+      jaxoverlap::bind_common_attrs<true>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__                 \
+                                              .Arg<xla::ffi::Token>()                        \
+                                              .Ret<xla::ffi::Token>()))
 
 // The buffers of the fused GEMMs over rows: x [..., K], w [K, N] -> out (then the variant's own).
 #define JAXOVERLAP_GEMM_BUFFERS \

@@ -196,9 +196,9 @@ ffi::Error GemmRs(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
 // Both targets: x [..., K], w [K, N] -> out ([rows / n, ..., N], or the sum [..., N]);
 // w_colmajor, x_colmajor: w, x stored column-major.
-JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsV1, jaxoverlap::GemmRs<false>,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRs, jaxoverlap::GemmRs<false>,
                         JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
                             .Attr<int64_t>("x_colmajor"));
-JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmArV1, jaxoverlap::GemmRs<true>,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmAr, jaxoverlap::GemmRs<true>,
                         JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
                             .Attr<int64_t>("x_colmajor"));

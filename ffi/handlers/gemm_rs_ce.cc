@@ -129,5 +129,5 @@ ffi::Error GemmRsCe(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace jaxoverlap
 
 // x [..., K], w [K, N] -> out [rows / n, ..., N]; w_colmajor: w stored column-major.
-JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsCeV1, jaxoverlap::GemmRsCe,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsCe, jaxoverlap::GemmRsCe,
                         JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor"));

@@ -103,6 +103,6 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
 // x [..., K], w [K, N] -> out [rows / n, ..., N]; w_colmajor: w stored column-major; swizzle:
 // cluster rows per band.
-JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsTileV1, jaxoverlap::GemmRsTile,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapGemmRsTile, jaxoverlap::GemmRsTile,
                         JAXOVERLAP_GEMM_BUFFERS.Attr<int64_t>("w_colmajor")
                             .Attr<int64_t>("swizzle"));

@@ -83,6 +83,6 @@ ffi::Error Rs(const Call& call, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> ou
 }  // namespace
 }  // namespace jaxoverlap
 
-JAXOVERLAP_FUSED_TARGET(JaxoverlapRsV1, jaxoverlap::Rs,
+JAXOVERLAP_FUSED_TARGET(JaxoverlapRs, jaxoverlap::Rs,
                         .Arg<xla::ffi::AnyBuffer>()    // x [rows, ...]
                         .Ret<xla::ffi::AnyBuffer>());  // out [rows / n, ...]

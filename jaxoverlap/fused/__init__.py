@@ -31,6 +31,8 @@ from jaxoverlap.fused import (
     tile,
 )
 from jaxoverlap.fused.call import (
+    FUSED_EFFECTS,
+    FusedOrder,
     FusedUnavailable,
     _call_tag,
     _group_table,
@@ -99,6 +101,8 @@ __all__ = [
     "GEMM_RS_TILE_TARGET",
     "MAX_CHUNKS",
     "RS_TARGET",
+    "FUSED_EFFECTS",
+    "FusedOrder",
     "FusedUnavailable",
     "_AG_AUTO_MIN",
     "_AUTO_MAX_K",

@@ -5,9 +5,20 @@ its target, settings, workspace and layouts, from `jaxoverlap.fused.policy` -- a
 as a `Spec`; `emit` does *how*, the same way for every target: register the extension's targets,
 derive the workspace key (`site_key`) and the call tag (`_call_tag`), map the workspace across
 processes where the group spans them (`xproc.prepare`, in `_table_attrs`), add the attributes
-every call carries (group table, settings, timeout, the test-only and tool-only knobs) and emit
-the custom call (``jax.ffi.ffi_lowering``). No other module of the package emits one
-(tests/test_structure.py checks it).
+every call carries (group table, settings, timeout), thread the device's order token through the
+call (`FusedOrder`) and emit the custom call (``jax.ffi.ffi_lowering``): the `_v2` target, or its
+``_knobs`` twin when a test-only or tool-only knob is set (`knob_attrs`; production calls carry
+none, D17). No other module of the package emits one (tests/test_structure.py checks it).
+
+**Order (issue 26, R2).** Every fused primitive has the `FusedOrder` effect, registered with JAX
+as ordered and shardable: JAX threads one token per device through the ordered effects of a
+program -- across jit, scan, while, cond, shard_map, remat and custom derivatives -- and `emit`
+passes it to the custom call as its last operand and takes the call's last result (a token) as
+the next one. So XLA's schedulers see a data edge from each fused call of a device to the next,
+in program order, and every process runs its fused calls in that order (a reordering of two
+calls on one GPU against their order on a peer would wait out the timeout: tile kernels take
+the whole device). Tokens order nothing inside CONCURRENT command buffers, which the targets
+are then kept out of (`jaxoverlap.runtime.register_targets`).
 
 Also here: the group table of a call's mesh (`_group_table`, which also decides whether the
 devices can run the fused kernels at all) and the custom call's row layout (`rows_major`).
@@ -20,11 +31,63 @@ import hashlib
 import math
 
 import jax
+from jax._src import core
+from jax._src.lib.mlir.dialects import hlo
+from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology, xproc
 from jaxoverlap import target as target_lib
 from jaxoverlap.fused import targets
 from jaxoverlap.fused.knobs import _profile, _stall_rank, _stall_target
+
+_ALLOWED = (  # where JAX lets an effect through (jax/_src/effects.py)
+    "lowerable_effects",
+    "control_flow_allowed_effects",
+    "remat_allowed_effects",
+    "custom_derivatives_allowed_effects",
+)
+try:  # private in jax 0.11 and 0.12 alike (jax/_src/effects.py); guarded for later versions
+    from jax._src import effects as _effects
+
+    _ORDERED_SETS = (_effects.ordered_effects, _effects.shardable_ordered_effects)
+    _ALLOWED_SETS = tuple(getattr(_effects, name) for name in _ALLOWED)
+    _Effect = _effects.Effect
+except (ImportError, AttributeError):  # pragma: no cover - a jax without these sets
+    _ORDERED_SETS, _ALLOWED_SETS, _Effect = (), (), object
+
+
+class FusedOrder(_Effect):
+    """The effect of every fused primitive: its calls on a device run in program order (the
+    module docstring says how). Ordered and shardable: one token per device."""
+
+    def __repr__(self):
+        return "FusedOrder"
+
+    __str__ = __repr__
+
+
+class FusedDispatch(_Effect):
+    """The unordered effect beside `FusedOrder`. It changes no lowering; it only keeps a compiled
+    program off JAX's C++ fast path, which -- for ``jit(f).lower(...).compile()`` executables
+    (``pxla.MeshExecutable.create_cpp_call``, jax 0.11.2 and 0.12) -- checks for unordered
+    effects and host callbacks but not ordered effects, so that from the second call on it would
+    run without the order token ("Execution supplied 2 arguments but compiled program expected
+    3"). ``jax.jit`` itself already dispatches programs with ordered effects in Python."""
+
+    def __repr__(self):
+        return "FusedDispatch"
+
+    __str__ = __repr__
+
+
+fused_order, fused_dispatch = FusedOrder(), FusedDispatch()
+for _set in _ORDERED_SETS + _ALLOWED_SETS:
+    _set.add_type(FusedOrder)
+for _set in _ALLOWED_SETS:
+    _set.add_type(FusedDispatch)
+# The effects of a fused primitive's abstract eval: none where this jax lacks the private sets
+# (then the calls get a fresh token each: unordered, as before issue 26).
+FUSED_EFFECTS = frozenset({fused_order, fused_dispatch}) if _ORDERED_SETS else core.no_effects
 
 
 class FusedUnavailable(Exception):
@@ -123,8 +186,37 @@ def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None, spec=Non
         comm_sms=int(comm_sms),
         chunks=int(chunks),
         timeout_s=float(timeout_s),
-        stall_rank=int(_stall_rank.get()) if _stall_target.get() in (None, *kind[:1]) else -1,
     )
+
+
+def knob_attrs(target):
+    """The test-only and tool-only knobs (`jaxoverlap.fused.knobs`) a call of ``target`` lowered
+    now carries: {} when none is set -- the production `_v2` target, which has no knob attribute
+    (D17) --, else both knobs, for the target's ``_knobs`` twin."""
+    stall = int(_stall_rank.get()) if _stall_target.get() in (None, target) else -1
+    profile = int(_profile.get())
+    return {} if (stall, profile) == (-1, 0) else dict(stall_rank=stall, profile=profile)
+
+
+def _thread_token(ctx):
+    """The order token this call consumes (the last one of ``ctx``'s rule, or the rule's input)
+    and a function that makes the call's token result the rule's output token."""
+    if not _ORDERED_SETS:
+        return hlo.create_token(), lambda tok: None
+    tokens = ctx.tokens_out if ctx.tokens_out is not None else ctx.tokens_in
+    if fused_order not in tokens.effects():
+        raise AssertionError(
+            f"internal: {ctx.primitive} lowers a fused call without the FusedOrder effect"
+        )
+
+    def set_out(tok):
+        out = tokens.update_tokens(mlir.TokenSet({fused_order: tok}))
+        if ctx.tokens_out is None:
+            ctx.set_tokens_out(out)
+        else:  # a second call of the same rule: chain it after the first
+            ctx.tokens_out = out
+
+    return tokens.get(fused_order), set_out
 
 
 def _operands_kind(x_aval, w_aval, params):
@@ -210,18 +302,26 @@ def row_spec(ctx, params, target, comm_sms, chunks, workspace, **attrs):
 
 
 def emit(ctx, table, spec, *operands):
-    """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`); returns
-    its results (without the scratch)."""
+    """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`),
+    ordered after the previous fused call of the device and before the next (the order token:
+    last operand, last result); returns its results (without the scratch). ``ctx``'s rule
+    outputs the call's token."""
     runtime.register_targets()
     attrs = _table_attrs(
         table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
     )
-    attrs.update(profile=_profile.get(), **spec.attrs)
-    inner = ctx.replace(avals_out=[*ctx.avals_out, *spec.scratch]) if spec.scratch else ctx
-    lowering = jax.ffi.ffi_lowering(
-        spec.target,
-        operand_layouts=list(spec.operand_layouts),
-        result_layouts=list(spec.result_layouts),
+    knobs = knob_attrs(spec.target)
+    attrs.update(**knobs, **spec.attrs)
+    token, set_token_out = _thread_token(ctx)
+    inner = ctx.replace(
+        avals_in=[*ctx.avals_in, core.abstract_token],
+        avals_out=[*ctx.avals_out, *spec.scratch, core.abstract_token],
     )
-    results = lowering(inner, *operands, **attrs)
-    return list(results)[: len(ctx.avals_out)] if spec.scratch else results
+    lowering = jax.ffi.ffi_lowering(
+        targets.with_knobs(spec.target) if knobs else spec.target,
+        operand_layouts=[*spec.operand_layouts, ()],
+        result_layouts=[*spec.result_layouts, ()],
+    )
+    results = list(lowering(inner, *operands, token, **attrs))
+    set_token_out(results[-1])
+    return results[: len(ctx.avals_out)]

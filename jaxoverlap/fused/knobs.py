@@ -1,6 +1,7 @@
 """Test-only and tool-only knobs of the fused path, read when an op is lowered
-(`jaxoverlap.fused` re-exports them; its `_table_attrs` sends them to the custom calls).
-Production calls always carry their neutral values."""
+(`jaxoverlap.fused` re-exports them; `jaxoverlap.fused.call.knob_attrs` sends them). Production
+calls carry no knob: a call lowered under one goes to its target's ``_knobs`` twin, the same
+handler with ``stall_rank`` and ``profile`` attributes (issue 26, D17)."""
 
 from __future__ import annotations
 

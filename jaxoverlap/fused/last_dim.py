@@ -170,4 +170,5 @@ def lower(ctx, x, w, params, table):
     xt = hlo.transpose(mlir.reshape(ctx, x, x2_aval), mlir.dense_int_array([1, 0]))
     inner = ctx.replace(avals_in=[wt_aval, xt_aval], avals_out=[out2_aval])
     (out_t,) = call.emit(inner, table, spec, wt, xt)
+    ctx.set_tokens_out(inner.tokens_out)  # the call's order token (call.emit)
     return [mlir.reshape(ctx, out_t, out_aval)]

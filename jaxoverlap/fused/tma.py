@@ -98,6 +98,8 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
     return call.emit(ctx, table, spec, x)
 
 
-tma_reduce_scatter_p.def_abstract_eval(_rs_abstract)
+tma_reduce_scatter_p.def_effectful_abstract_eval(
+    lambda x, **params: (_rs_abstract(x, **params), call.FUSED_EFFECTS)
+)
 mlir.register_lowering(tma_reduce_scatter_p, _rs_reference)
 mlir.register_lowering(tma_reduce_scatter_p, _rs_cuda, platform="cuda", cacheable=False)

@@ -110,7 +110,7 @@ def _abstract_eval(x, w, *, axis_name, gather_dimension, config, w_colmajor):
     return x.update(shape=tuple(shape), manual_axis_type=x.mat.update(varying=vma))
 
 
-all_gather_matmul_p.def_abstract_eval(_abstract_eval)
+_common.def_abstract_eval(all_gather_matmul_p, _abstract_eval)
 
 # The variant that also returns the gathered x (`primitives.all_gather_matmul_keep_p`).
 
@@ -122,7 +122,7 @@ def _keep_abstract_eval(x, w, *, axis_name, gather_dimension, **params):
     return out, x.update(shape=tuple(shape), manual_axis_type=out.mat)
 
 
-all_gather_matmul_keep_p.def_abstract_eval(_keep_abstract_eval)
+_common.def_abstract_eval(all_gather_matmul_keep_p, _keep_abstract_eval)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -224,7 +224,7 @@ def _tangent_abstract_eval(*args, with_gathered, with_dw, **params):
     return (out, g.update(manual_axis_type=out.mat)) if with_gathered else (out,)
 
 
-all_gather_matmul_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+_common.def_abstract_eval(all_gather_matmul_tangent_p, _tangent_abstract_eval)
 mlir.register_lowering(
     all_gather_matmul_tangent_p, mlir.lower_fun(_tangent_reference, multiple_results=True)
 )

@@ -45,7 +45,7 @@ def _abstract_eval(ct, wt, g, *e, axis_name, scatter_dimension, **params):
     return dx, dw
 
 
-dgrad_rs_wgrad_p.def_abstract_eval(_abstract_eval)
+_common.def_abstract_eval(dgrad_rs_wgrad_p, _abstract_eval)
 
 
 def _reference_lowering(ctx, ct, wt, g, *e, **params):

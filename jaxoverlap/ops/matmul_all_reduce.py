@@ -53,7 +53,7 @@ def _abstract_eval(x, w, *, axis_name, config, w_colmajor):
     return x.update(shape=shape, manual_axis_type=x.mat.update(varying=vma))
 
 
-matmul_all_reduce_p.def_abstract_eval(_abstract_eval)
+_common.def_abstract_eval(matmul_all_reduce_p, _abstract_eval)
 
 
 # ----------------------------------------------------------------------------- lowering

@@ -79,7 +79,7 @@ def _abstract_eval(x, w, *, axis_name, scatter_dimension, config, w_colmajor):
     return x.update(shape=tuple(shape), manual_axis_type=x.mat.update(varying=vma))
 
 
-matmul_reduce_scatter_p.def_abstract_eval(_abstract_eval)
+_common.def_abstract_eval(matmul_reduce_scatter_p, _abstract_eval)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -96,8 +96,8 @@ def _tangent_reference(dx, dw, x, w, *, axis_name, scatter_dimension, **params):
     return lax.psum_scatter(both, axis_name, scatter_dimension=scatter_dimension, tiled=True)
 
 
-matmul_reduce_scatter_tangent_p.def_abstract_eval(
-    lambda dx, dw, x, w, **params: _abstract_eval(x, w, **params)
+_common.def_abstract_eval(
+    matmul_reduce_scatter_tangent_p, lambda dx, dw, x, w, **params: _abstract_eval(x, w, **params)
 )
 mlir.register_lowering(
     matmul_reduce_scatter_tangent_p,

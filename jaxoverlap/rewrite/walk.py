@@ -115,10 +115,21 @@ def find_matches(jaxpr: core.Jaxpr, manual_axes) -> list[Match]:
     return matches
 
 
+def _order_effects(eqns, have) -> frozenset:
+    """The fused ops' effects (`fused.FUSED_EFFECTS`: the order of a device's fused calls) that
+    ``eqns`` have and ``have`` lacks. Spliced-in ops bring them; every enclosing jaxpr and
+    equation must declare them too, since JAX threads the order token only where declared."""
+    return frozenset(f for e in eqns for f in e.effects if f in fused.FUSED_EFFECTS) - have
+
+
+def _with_eqns(jaxpr: core.Jaxpr, eqns) -> core.Jaxpr:
+    return jaxpr.replace(eqns=eqns, effects=jaxpr.effects | _order_effects(eqns, jaxpr.effects))
+
+
 def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
     eqns = [_rewrite_eqn(e, state) for e in jaxpr.eqns]
     if any(a is not b for a, b in zip(eqns, jaxpr.eqns, strict=True)):
-        jaxpr = jaxpr.replace(eqns=eqns)
+        jaxpr = _with_eqns(jaxpr, eqns)
 
     splices: dict[int, list[core.JaxprEqn]] = {}
     dropped: set[int] = set()
@@ -153,7 +164,7 @@ def _rewrite_jaxpr(jaxpr: core.Jaxpr, state: _State) -> core.Jaxpr:
             new_eqns.extend(splices[i])
         if i not in dropped:
             new_eqns.append(eqn)
-    return jaxpr.replace(eqns=new_eqns)
+    return _with_eqns(jaxpr, new_eqns)
 
 
 def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
@@ -169,7 +180,14 @@ def _rewrite_eqn(eqn: core.JaxprEqn, state: _State) -> core.JaxprEqn:
         params = {k: _rewrite_param(v, inner) for k, v in eqn.params.items()}
     if all(params[k] is eqn.params[k] for k in params):
         return eqn
-    return eqn.replace(params=params)
+    inner_jaxprs = [
+        j
+        for v in params.values()
+        for j in (v if isinstance(v, (tuple, list)) else (v,))
+        if isinstance(j, (core.Jaxpr, ClosedJaxpr))
+    ]
+    added = frozenset().union(*(j.effects for j in inner_jaxprs)) & fused.FUSED_EFFECTS
+    return eqn.replace(params=params, effects=eqn.effects | (added - eqn.effects))
 
 
 def _rewrite_param(value, state: _State):
@@ -229,9 +247,15 @@ def _op_eqns(m: Match, state: _State, anchor: core.JaxprEqn):
                 f"jaxoverlap.{m.op} would return {new.str_short()} where the original has "
                 f"{old.str_short()} (a different varying-axes type); left as written"
             )
-    # (A collective's named-axis effect is one the replaced collective had too.)
+    # (A collective's named-axis effect is one the replaced collective had too; the fused ops'
+    # own effects are declared up the enclosing jaxprs, `_order_effects`.)
     named = getattr(core, "NamedAxisEffect", ())
-    effects = {f for e in tiny.eqns for f in e.effects if not isinstance(f, named)}
+    effects = {
+        f
+        for e in tiny.eqns
+        for f in e.effects
+        if not isinstance(f, named) and f not in fused.FUSED_EFFECTS
+    }
     if consts or tiny.constvars or effects:
         raise _Rejected(f"jaxoverlap.{m.op} traced to equations with constants or effects")
     env = dict(zip(tiny.invars, m.inputs, strict=True))

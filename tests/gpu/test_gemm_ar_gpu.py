@@ -1,4 +1,4 @@
-"""The fused GEMM + all-reduce (one custom call, jaxoverlap_gemm_ar_v1) on 2 GPUs against XLA's
+"""The fused GEMM + all-reduce (one custom call, jaxoverlap_gemm_ar_v2) on 2 GPUs against XLA's
 matmul + psum: values, both ranks' outputs bitwise equal, repeated calls, and a stalled or failed
 peer given up on both ranks (the stall script of test_gemm_rs_gpu)."""
 

@@ -93,6 +93,8 @@ def test_sum_of_pushed_blocks(gpus, count, elems, stride, in_place):
 _BAD_ATTRS_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, sys
+    from jax import lax
+    from jax._src.core import abstract_token
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxoverlap
     from jaxoverlap import fused, runtime
@@ -102,7 +104,7 @@ _BAD_ATTRS_SCRIPT = textwrap.dedent(
     runtime.register_targets()
     good = dict(site=12345, ordinals=np.array(o, np.int32), ranks=np.array([0, 1], np.int32),
                 groups=np.array(o + o, np.int32), n=2, comm_sms=4, chunks=1, timeout_s=5.0,
-                stall_rank=-1, profile=0, call_tag=0, w_colmajor=0, x_colmajor=0)
+                call_tag=0, w_colmajor=0, x_colmajor=0)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (512, 1024), jnp.bfloat16),
                        NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jax.random.normal(jax.random.key(1), (1024, 256), jnp.bfloat16) / 32,
@@ -110,9 +112,11 @@ _BAD_ATTRS_SCRIPT = textwrap.dedent(
 
     def run(**changes):
         attrs = {**good, **changes}
+        # The production target: the order token is its last operand and last result.
         call = jax.ffi.ffi_call(fused.GEMM_RS_TARGET,
-                                jax.ShapeDtypeStruct((256, 256), jnp.bfloat16))
-        f = jax.jit(jax.shard_map(lambda x, w: call(x, w, **attrs), mesh=mesh,
+                                (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), abstract_token))
+        f = jax.jit(jax.shard_map(lambda x, w: call(x, w, lax.create_token(), **attrs)[0],
+                                  mesh=mesh,
                                   in_specs=(P(None, "tp"), P("tp", None)),
                                   out_specs=P("tp", None), check_vma=False))
         return jax.block_until_ready(f(x, w))

@@ -154,7 +154,7 @@ x = jax.device_put(jax.random.normal(jax.random.key(0), (2048, 1024), jnp.bfloat
                    NamedSharding(mesh, P("tp")))
 w = jax.device_put(jax.random.normal(jax.random.key(1), (1024, 4096), jnp.bfloat16) / 32,
                    NamedSharding(mesh, P(None, "tp")))
-with fused._stalled_rank_for_tests(1, target="jaxoverlap_dgrad_rs_wgrad_v1"):
+with fused._stalled_rank_for_tests(1, target="jaxoverlap_dgrad_rs_wgrad_v2"):
     g = grads(cfg)
     g.lower(x, w)
 t0 = time.time()

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.gpu
 WORKER = os.path.join(os.path.dirname(__file__), "xproc_worker.py")
 
 
-def _run(mode, *, timeout=240, env=(), setup=None):
+def _run(mode, *, timeout=240, env=(), setup=None, worker=WORKER):
+    """Runs ``worker`` (xproc_worker.py or another two-process worker: tests/gpu/order_worker.py)
+    in two processes with ``mode``; returns their outputs (stdout + stderr)."""
     import jax
 
     gpus = len(jax.devices("gpu"))
@@ -38,7 +40,7 @@ def _run(mode, *, timeout=240, env=(), setup=None):
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode],
+            [sys.executable, worker, str(p), "2", str(port), str(p % gpus), mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -70,7 +72,7 @@ OPS = [
     "all_gather_matmul_k",  # along K: a float32 sum, bitwise XLA's single GEMM here
     "all_gather_matmul_k_3d",
     "gemm_search",  # the plans those calls made: algorithms timed, none failed
-    "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v1)
+    "tma_reduce_scatter",  # the standalone TMA reduce-scatter (jaxoverlap_rs_v2)
 ]
 
 

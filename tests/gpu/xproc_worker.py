@@ -30,7 +30,10 @@ import traceback
 import numpy as np
 
 
-def main(process, nproc, port, gpu, mode):
+def join(process, nproc, port, gpu):
+    """Joins ``jax.distributed`` with ``local_device_ids=[gpu]`` (every thread's stack dumped
+    after $XPROC_STACKS_AFTER_S, if still running); returns the 1-D ``tp`` mesh over every
+    process's device and ``arr(a, spec)``, the global array of ``a`` sharded by ``spec``."""
     if os.environ.get("XPROC_STACKS_AFTER_S"):  # every thread's stack, if still running then
         faulthandler.dump_traceback_later(float(os.environ["XPROC_STACKS_AFTER_S"]))
     import jax
@@ -42,18 +45,25 @@ def main(process, nproc, port, gpu, mode):
         local_device_ids=[gpu],
         initialization_timeout=120,
     )
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxoverlap
-    from jaxoverlap import Config
 
     mesh = Mesh(np.array(jax.devices()), ("tp",))
 
     def arr(a, spec):
         sh = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    return mesh, arr
+
+
+def main(process, nproc, port, gpu, mode):
+    mesh, arr = join(process, nproc, port, gpu)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config
 
     def mine(y):
         (s,) = y.addressable_shards
@@ -209,6 +219,23 @@ def main(process, nproc, port, gpu, mode):
     distributed.global_state.client.wait_at_barrier("xproc/done", 120_000)
 
 
+def run_counted(f, args, executions):
+    """``executions`` runs of ``f(*args)``, checked for errors: (their outputs, host calls of
+    the fused handlers meanwhile, how many of them XLA was capturing into a CUDA graph)."""
+    import jax
+
+    import jaxoverlap
+    from jaxoverlap import runtime
+
+    nat = runtime.native()
+    before = nat.handler_calls()
+    outs = [f(*args) for _ in range(executions)]
+    jax.block_until_ready(outs)
+    jaxoverlap.check_errors()
+    after = nat.handler_calls()
+    return outs, after[0] - before[0], after[1] - before[1]
+
+
 def run_graphs(mesh, arr, process, dump, executions=5):
     """Fused ops among enough other work for XLA to put them in a command buffer (at least
     xla_gpu_graph_min_graph_size = 5 convertible thunks in a row), plain and as the body of a
@@ -223,9 +250,8 @@ def run_graphs(mesh, arr, process, dump, executions=5):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, runtime
+    from jaxoverlap import Config
 
-    nat = runtime.native()
     cfg = Config(backend="fused", timeout_s=60.0)
     ce = Config(backend="fused", comm_sms=0, timeout_s=60.0)
     rng = np.random.default_rng(7)
@@ -273,12 +299,7 @@ def run_graphs(mesh, arr, process, dump, executions=5):
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xs, ws, P()), out_specs=os_))
                 args = (arr(x, xs), arr(w, ws), arr(u[width], P()))
                 steps = L if scan else 1
-                before = nat.handler_calls()
-                outs = [f(*args) for _ in range(executions)]
-                jax.block_until_ready(outs)
-                jaxoverlap.check_errors()
-                after = nat.handler_calls()
-                calls, captured = after[0] - before[0], after[1] - before[1]
+                outs, calls, captured = run_counted(f, args, executions)
                 (shard,) = outs[0].addressable_shards
                 got = np.asarray(shard.data, np.float32)
                 bits = [np.asarray(o.addressable_shards[0].data).view(np.uint16) for o in outs]
@@ -395,7 +416,7 @@ def op_cases(mesh, arr, timeout_s, shapes=None):
         (spec3, P("tp", None)),
         P(None, "tp"),
     )
-    # The standalone TMA reduce-scatter (jaxoverlap_rs_v1, the bandwidth benchmark's): each rank's
+    # The standalone TMA reduce-scatter (jaxoverlap_rs_v2, the bandwidth benchmark's): each rank's
     # [M, N] columns of xr summed over the group, rank r keeping row block r. Drawn last, listed
     # last: the other cases' inputs stay those of earlier runs, cases[0] the reduce-scatter.
     xr = rand(M, 2 * N)

@@ -1,0 +1,317 @@
+"""One process of tests/gpu/test_order_gpu.py (issue 26, R2: the order of two fused calls).
+
+    python tests/gpu/order_worker.py PROCESS NPROC PORT GPU MODE
+
+Joins ``jax.distributed`` with ``local_device_ids=[GPU]`` (on a one-GPU machine both processes
+share GPU 0), builds a 1-D ``tp`` mesh over both processes' devices and runs one program with two
+independent fused calls -- A, a reduce-scatter (``matmul_reduce_scatter``), and B, an all-gather
+(``all_gather_matmul``), of different shapes, so different workspaces -- among XLA work (enough
+thunks in a row for XLA to build a command buffer). Prints ``<tag> OK ...`` or ``<tag> FAILED
+...`` per check. MODE:
+
+* ``graphs`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1``, XLA's default LHS scheduling; the
+  calls in a 4-step scan body, which XLA graphs and replays, its buffers keeping their addresses):
+  the two token-chained calls are recorded into a command buffer and replayed -- host handler
+  calls under capture > 0, fewer host calls than device calls, every execution bitwise equal to
+  the first, values near a float32 reference. Then the inversion: process ``ORDER_INVERTED``
+  runs the program traced with B before A (the test-only inversion: with order tokens, program
+  order is execution order, so the inverted order is a program whose calls are written the other
+  way round) while the other process runs A-then-B again. Each process's first call waits for
+  its peer's copy of the same call, queued behind the peer's other call: the deadlock R2 is
+  about. It must end bounded: within a few ``timeout_s`` (3 s here), NaN outputs of the first
+  call and a `jaxoverlap.FusedCallError` naming its op.
+* ``concurrent`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1`` and
+  ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``): ``ORDER_ITERS`` executions (1,000),
+  every one bitwise equal to the first, no error, values near the reference; the fused calls were
+  kept out of the concurrent graphs (no handler call under capture: they ran as ordinary thunks
+  in program order, jaxoverlap.runtime.command_buffers).
+
+Every mode first prints ``hlo_chain``: the token edge from A to B in XLA's optimized HLO.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+M, K, N = 512, 512, 256  # A: x [M, K] (K split), w [K, N] -> rows of x @ w scattered
+M2, K2, N2 = 256, 384, 512  # B: x [M2, K2] (rows split), w [K2, N2] (columns split)
+# (each with a leading dimension of scan steps)
+
+
+def _rand(rng, *shape):
+    return (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def main(process, nproc, port, gpu, mode):
+    from tests.gpu.xproc_worker import join
+
+    mesh, arr = join(process, nproc, port, gpu)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+    from jaxoverlap import Config, runtime
+
+    timeout_s = 3.0 if mode == "graphs" else 60.0  # graphs: then the inversion, bounded
+    # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
+    cfg = Config(backend=os.environ.get("ORDER_BACKEND", "fused"), timeout_s=timeout_s)
+    # graphs: the calls in a 4-step lax.scan body (XLA graphs a loop body and replays it, its
+    # buffers keeping their addresses); otherwise one of each per execution.
+    steps = 4 if mode == "graphs" else 1
+    rng = np.random.default_rng(5)
+    host = dict(
+        x1=_rand(rng, steps, M, K), w1=_rand(rng, K, N), v=_rand(rng, N, N),
+        x2=_rand(rng, steps, M2, K2), w2=_rand(rng, K2, N2),
+    )  # fmt: skip
+    specs = dict(
+        x1=P(None, None, "tp"), w1=P("tp", None), v=P(), x2=P(None, "tp", None), w2=P(None, "tp")
+    )
+    args = [arr(host[k].astype(jnp.bfloat16), specs[k]) for k in ("x1", "w1", "v", "x2", "w2")]
+
+    def a_call(x1, w1, v):  # tanh, A, GEMM, sin: XLA work around the call
+        y = jaxoverlap.matmul_reduce_scatter(jnp.tanh(x1), w1, "tp", config=cfg)
+        return jnp.sin(y @ v)
+
+    def b_call(x2, w2):  # exp, B, cos
+        return jnp.cos(jaxoverlap.all_gather_matmul(jnp.exp(x2 * 0.5), w2, "tp", config=cfg))
+
+    def program(inverted):
+        def step(x1, w1, v, x2, w2):
+            if inverted:  # the test-only inversion: B written (so traced, so run) before A
+                b = b_call(x2, w2)
+                return a_call(x1, w1, v), b
+            return a_call(x1, w1, v), b_call(x2, w2)
+
+        def body(x1, w1, v, x2, w2):
+            if steps == 1:
+                a, b = step(x1[0], w1, v, x2[0], w2)
+                return a[None], b[None]
+            c0 = 0 * jnp.sum(x1[0, :1, :1], dtype=jnp.float32)  # varying over tp
+
+            def scan_step(c, xs):
+                a, b = step(xs[0], w1, v, xs[1], w2)
+                return c + jnp.sum(a, dtype=jnp.float32), (a, b)
+
+            return jax.lax.scan(scan_step, c0, (x1, x2))[1]
+
+        out_specs = (P(None, "tp", None), P(None, None, "tp"))
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=tuple(specs.values()), out_specs=out_specs)
+        )
+
+    def bf(a):
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+
+    want = (
+        np.sin(bf(bf(np.tanh(bf(host["x1"]))) @ bf(host["w1"])) @ bf(host["v"])),
+        np.cos(bf(np.exp(bf(host["x2"]) * 0.5)) @ bf(host["w2"])),
+    )
+
+    def shards(outs):  # [(index, values)] of this process: A's shard, then B's
+        return [
+            (s.index, np.asarray(s.data, np.float32)) for o in outs for s in o.addressable_shards
+        ]
+
+    def rel_err(outs):
+        errs = [
+            float(np.max(np.abs(got - w[idx])) / (np.max(np.abs(w[idx])) + 1e-6))
+            for (idx, got), w in zip(shards(outs), want, strict=True)
+        ]
+        return max(errs)
+
+    def bits(outs):
+        return [np.asarray(s.data).view(np.uint16) for o in outs for s in o.addressable_shards]
+
+    # Compiled ahead of time (no compilation inside the timed runs; `FusedDispatch` keeps the
+    # order token on every call), the inverted program in the inverting process too, then a
+    # barrier: neither process's first call waits for the other's compilation.
+    f = program(False).lower(*args).compile()
+    hlo_chain(f.as_text())
+    inverted = mode == "graphs" and os.environ.get("ORDER_INVERTED") == str(process)
+    g = program(True).lower(*args).compile() if inverted else f
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
+    nat = runtime.native()
+    try:
+        if mode == "graphs":
+            run_graphs(f, args, rel_err, bits, steps)
+            distributed.global_state.client.wait_at_barrier("order/graphs", 120_000)
+            run_inverted(g, inverted, args, process, shards, jaxoverlap, timeout_s)
+        elif mode == "concurrent":
+            run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax)
+    except Exception as e:
+        print(f"{mode} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
+        traceback.print_exc()
+    distributed.global_state.client.wait_at_barrier("order/done", 120_000)
+
+
+def _operand_names(args):
+    """The names in an HLO operand list, printed with or without types and ``%``."""
+    names, depth, word = [], 0, ""
+    for ch in args + ",":
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            names.append(word.split()[-1].lstrip("%") if word.split() else "")
+            word = ""
+        else:
+            word += ch
+    return names
+
+
+def _call_args(rest, op):
+    """The operand list of ``op(...)`` in the rest of an HLO line (up to its closing paren)."""
+    start = rest.index(op + "(") + len(op) + 1
+    depth = 1
+    for i in range(start, len(rest)):
+        depth += rest[i] == "("
+        depth -= rest[i] == ")"
+        if depth == 0:
+            return rest[start:i]
+    return rest[start:]
+
+
+def hlo_chain(text):
+    """The order token in XLA's optimized HLO: each jaxoverlap custom call's last operand is a
+    token, and B's token operand is A's token result -- a get-tuple-element of A's call, followed
+    through the calls XLA wraps command buffers in (a parameter of the callee is the call's
+    operand; a result of the call is its callee's root tuple's element)."""
+    import re
+
+    defs, comp_of, roots = {}, {}, {}  # name -> rest of its line / its computation; comp -> root
+    comp = None
+    for line in text.splitlines():
+        c = re.match(r"\s*(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$", line)
+        if c:
+            comp = c.group(1)
+            continue
+        m = re.match(r"\s*(ROOT )?%?([\w.\-]+) = (.*)$", line)
+        if m:
+            defs[m.group(2)], comp_of[m.group(2)] = m.group(3), comp
+            if m.group(1):
+                roots[comp] = m.group(2)
+    calls = {}  # name -> (target, its last operand)
+    for n, rest in defs.items():
+        t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', rest)
+        if t and "custom-call(" in rest:
+            operands = _operand_names(_call_args(rest, "custom-call"))
+            calls[n] = (t.group(1), operands[-1] if operands else "")
+
+    def source(name, index=None, depth=0):
+        """The jaxoverlap call whose result ``name`` (element ``index`` of it) is, or None."""
+        rest = defs.get(name, "")
+        if depth > 20 or not rest:
+            return None
+        if name in calls:
+            return name
+        if "get-tuple-element(" in rest:
+            (of,) = _operand_names(_call_args(rest, "get-tuple-element"))[:1] or [""]
+            k = re.search(r"index=(\d+)", rest)
+            return source(of, int(k.group(1)) if k else None, depth + 1)
+        if re.search(r"(?<![\w-])tuple\(", rest) and index is not None:
+            elems = _operand_names(_call_args(rest, "tuple"))
+            return source(elems[index], None, depth + 1) if index < len(elems) else None
+        callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)
+        if " call(" in " " + rest and callee:
+            return source(roots.get(callee.group(1), ""), index, depth + 1)
+        k = re.match(r"\S+ parameter\((\d+)\)", rest)
+        if k:  # a parameter of a called computation: the call's operand
+            callee_of = rf"(?:to_apply|calls)=%?{re.escape(comp_of[name])}(?![\w.\-])"
+            for srest in defs.values():
+                if re.search(callee_of, srest):
+                    operands = _operand_names(_call_args(srest, "call"))
+                    i = int(k.group(1))
+                    if " call(" in " " + srest and i < len(operands):
+                        return source(operands[i], index, depth + 1)
+        return None
+
+    tokens = all(defs.get(tok, "").startswith("token[]") for _, tok in calls.values())
+    edges = [f"{calls[src][0]}->{t}" for t, tok in calls.values() if (src := source(tok))]
+    ok = len(calls) >= 2 and tokens and edges
+    print(
+        f"hlo_chain {'OK' if ok else 'FAILED'} calls={len(calls)} token_operands={tokens} "
+        f"edges={edges}",
+        flush=True,
+    )
+    if not ok:  # what XLA printed, to see why
+        for n, rest in defs.items():
+            if "jaxoverlap_" in rest or any(n == tok for _, tok in calls.values()):
+                print("  hlo:", n, "=", rest[:400], flush=True)
+
+
+def run_graphs(f, args, rel_err, bits, steps, executions=8):
+    from tests.gpu.xproc_worker import run_counted
+
+    outs, calls, captured = run_counted(f, args, executions)
+    first = bits(outs[0])
+    same = all(all(np.array_equal(a, b) for a, b in zip(first, bits(o))) for o in outs[1:])
+    err = rel_err(outs[0])
+    device_calls = 2 * steps * executions
+    ok = same and err < 5e-2 and captured > 0 and calls < device_calls
+    print(
+        f"graphs {'OK' if ok else 'FAILED'} host_calls={calls} captured={captured} "
+        f"device_calls={device_calls} repeat_bitwise={same} rel_err={err:.1e}",
+        flush=True,
+    )
+
+
+def run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax):
+    iters = int(os.environ.get("ORDER_ITERS", "1000"))
+    same = jax.jit(lambda a, b, c, d: jnp.array_equal(a, c) & jnp.array_equal(b, d))
+    before = nat.handler_calls()
+    t0 = time.time()
+    first = f(*args)
+    ok = jnp.array(True)
+    for _ in range(iters - 1):
+        ok = ok & same(*first, *f(*args))
+    ok = bool(ok)
+    dt = time.time() - t0
+    jaxoverlap.check_errors()
+    after = nat.handler_calls()
+    calls, captured = after[0] - before[0], after[1] - before[1]
+    err = rel_err(first)
+    good = ok and err < 5e-2 and captured == 0 and calls == 2 * iters
+    print(
+        f"concurrent {'OK' if good else 'FAILED'} iterations={iters} bitwise_equal={ok} "
+        f"host_calls={calls} captured={captured} rel_err={err:.1e} in {dt:.1f}s",
+        flush=True,
+    )
+
+
+def run_inverted(c, inverted, args, process, shards, jaxoverlap, timeout_s):
+    """After `run_graphs` (both processes in order: workspaces warm, values right): process 1
+    runs the inverted program ``c`` while process 0 runs the same one again."""
+    import jax
+
+    t0 = time.time()
+    error = None
+    first = 1 if inverted else 0  # the call each process runs first: B in process 1
+    try:
+        outs = jax.block_until_ready(c(*args))
+        nan = bool(np.isnan(shards(outs)[first][1]).all())
+        jaxoverlap.check_errors()
+    except Exception as e:  # the program's own error, or check_errors'
+        error = e
+        nan = locals().get("nan")
+    dt = time.time() - t0
+    op = ("jaxoverlap.matmul_reduce_scatter", "jaxoverlap.all_gather_matmul")[first]
+    named = error is not None and op in str(error)
+    typed = isinstance(error, jaxoverlap.FusedCallError)
+    # Bounded: a few timeouts (the first call's, then the rest giving up at once: Peers::dead).
+    ok = named and typed and nan is not False and dt < 4 * timeout_s
+    print(
+        f"inverted {'OK' if ok else 'FAILED'} process={process} inverted={inverted} in "
+        f"{dt:.1f}s nan={nan} error={type(error).__name__}: {str(error)[:300]}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(*map(int, sys.argv[1:5]), sys.argv[5])
