@@ -97,10 +97,12 @@ def explain(
     ``backend='fused'`` -- or XLA's path and why), decided by the function the lowering calls
     (`jaxoverlap.fused.unsupported_reason`, and the check of the group's devices) under the same
     ``Config`` and environment; near misses (an equation between the pair) with that equation, and
-    how to move it only where that keeps the values equal. It ends with one summary line per path
-    and per reason. ``verbose=False`` folds the out-of-scope skips (e.g. FSDP weight gathers) into
-    one line. ``fn`` may be a function returned by `overlap`; its config is used (else ``config``).
-    Call it where you would call ``fn``: for a shard_map body, from inside the shard_map.
+    how to move it only where the moved program computes the same values (exactly, or within
+    rounding where the move reorders a sum or rounds a scale once: the advice says which). It ends
+    with one summary line per path and per reason. ``verbose=False`` folds the out-of-scope skips
+    (e.g. FSDP weight gathers) into one line. ``fn`` may be a function returned by `overlap`; its
+    config is used (else ``config``). Call it where you would call ``fn``: for a shard_map body,
+    from inside the shard_map.
 
     ``target``: the machine to decide for: None -- this machine's GPUs, or, where it has none
     (or no native extension), ``"2xH200"``; a name ``"<n>x<GPU>"`` (``"8xH100"``): n Hopper GPUs

@@ -14,7 +14,8 @@ of this tuner (marked ``new_kernels``) that names one lets auto take it for that
 machine. Where nothing is recorded auto uses a conservative rule (`fused.policy`) and says so
 once in the log.
 
-What is tried (`candidates`; ``--candidates`` prints it), per op (`OPS`; each its own entry):
+What is tried (`candidates`; ``--candidates`` prints it), per op (`OPS`; each its own entry),
+and the rule that makes an entry of the timings (`decide`) are `jaxoverlap.fused.tuning`'s:
 matmul_reduce_scatter over rows -- chunks x comm SMs, the copy engine (comm_sms=0), the tile
 schedule; matmul_all_reduce and the last-dimension scatter (``matmul_reduce_scatter_last_dim``)
 -- chunks x comm SMs; all_gather_matmul over rows and its variant that keeps the gathered x
@@ -56,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import runtime
-from jaxoverlap.fused import last_dim, policy
+from jaxoverlap.fused import policy, tuning
 from jaxoverlap.fused.cache import (  # noqa: F401  (re-exported: the cache, as before the split)
     CACHE_VERSION,
     Key,
@@ -65,56 +66,27 @@ from jaxoverlap.fused.cache import (  # noqa: F401  (re-exported: the cache, as 
     lookup,
     record,
 )
+from jaxoverlap.fused.tuning import (  # noqa: F401  (re-exported: what is tried, the decision)
+    NOISE_FLOOR,
+    OPS,
+    RS_CANDIDATES,
+    RS_CE_CANDIDATES,
+    TILE,
+    candidates,
+    decide,
+    describe,
+    faster,
+    name_of,
+    shapes_of,
+)
 from jaxoverlap.ops import primitives
 from jaxoverlap.runtime import cache_dir, fingerprint  # noqa: F401  (re-exported, as above)
 
 log = logging.getLogger("jaxoverlap")
-NOISE_FLOOR = 0.02  # "faster" needs at least this margin (BENCHMARKS.md timing protocol)
-# Candidate settings of the fused GEMM + reduce-scatter: sub-chunks per block x comm SMs.
-RS_CANDIDATES = tuple((c, s) for c in (1, 2, 4) for s in (4, 8))
-# comm_sms=0: the copy engine pushes, no SM partition (matmul_reduce_scatter only); one chunk
-# would expose the whole push (the own GEMM needs the peers' partials), so 2 and 4.
-RS_CE_CANDIDATES = ((2, 0), (4, 0))
-# Config(schedule="tile"): one GEMM whose epilogue communicates (jaxoverlap/fused/tile.py); no
-# chunks, no SMs of its own. A candidate is (chunks, comm_sms) or this.
-TILE = "tile"
-
-
-# ----------------------------------------------------------------------------- decisions
-
-
-def _name(cand):
-    """A candidate as the entry names it: "tile", or "<chunks>x<comm_sms>"."""
-    return cand if cand == TILE else f"{cand[0]}x{cand[1]}"
-
-
-def faster(t, ref) -> bool:
-    """``t`` beats ``ref`` (each ``(median, q1, q3)`` in ms): the median is lower by at least 2 %
-    (BENCHMARKS.md's floor) and the interquartile ranges do not overlap (``t``'s q3 below
-    ``ref``'s q1), so neither a small difference nor one disturbed sample decides."""
-    return t[0] < ref[0] * (1.0 - NOISE_FLOOR) and t[2] < ref[1]
-
-
-def decide(times: dict) -> dict:
-    """From ``{"xla": (median, q1, q3), (chunks, comm_sms): (median, q1, q3), "tile": ...}``
-    (ms) the entry to record."""
-    x = times["xla"]
-    fused = {c: t for c, t in times.items() if c != "xla"}
-    best = min(fused, key=lambda c: fused[c][0]) if fused else None
-    win = best is not None and faster(fused[best], x)
-    iqr = lambda t: (t[2] - t[1]) / t[0]  # noqa: E731
-    tile = best == TILE
-    return dict(
-        choice="fused" if win else "xla",
-        chunks=(1 if tile else best[0]) if best else None,
-        comm_sms=(0 if tile else best[1]) if best else None,
-        schedule=TILE if tile else ("chunked" if best else None),
-        ms_xla=x[0],
-        ms_fused=fused[best][0] if best else None,
-        spread=max([iqr(x)] + ([iqr(fused[best])] if best else [])),
-        candidates={_name(c): t[0] for c, t in fused.items()},
-        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    )
+# Relative error (to the largest |value| of XLA's result) a fused candidate may differ by.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2}
+CANDIDATE_TIMEOUT_S = 5.0  # each candidate's calls; Config(timeout_s=) bounds its waits too
+WARMUP_LIMIT_S = 120.0  # the first call (the handler's GEMM plan search), still bounded
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -146,47 +118,6 @@ def _time(fns: dict, samples: int, target_ms: float) -> dict:
         q1, med, q3 = statistics.quantiles(ts, n=4, method="inclusive")
         out[name] = (med, q1, q3)
     return out
-
-
-# The ops and variants the tuner measures, each under its own `Key` op (`fused.policy`: the
-# variants held back from untuned auto until measured on two GPUs have their own entries, which
-# let auto take them on this machine). The copy engine and the tile schedule are candidates of
-# matmul_reduce_scatter's entry.
-OPS = (
-    "matmul_reduce_scatter",
-    "all_gather_matmul",
-    "matmul_all_reduce",
-    policy.LAST_DIM,
-    policy.ALONG_K,
-    policy.KEEP,
-    policy.BACKWARD,
-)
-# Relative error (to the largest |value| of XLA's result) a fused candidate may differ by.
-TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2}
-CANDIDATE_TIMEOUT_S = 5.0  # each candidate's calls; Config(timeout_s=) bounds its waits too
-WARMUP_LIMIT_S = 120.0  # the first call (the handler's GEMM plan search), still bounded
-
-
-def candidates(op):
-    """The fused settings tried for ``op``: (chunks, comm_sms) -- comm_sms None = not used, 0 =
-    the copy engine -- or `TILE`, the tile schedule. Every kernel of the one-GPU suite, whether
-    or not untuned auto may take it yet (`fused.policy.new_kernels_reason`)."""
-    if op == "matmul_reduce_scatter":
-        return RS_CANDIDATES + RS_CE_CANDIDATES + (TILE,)
-    if op in ("matmul_all_reduce", policy.LAST_DIM):  # SM schedules only: no CE handler
-        return RS_CANDIDATES
-    if op in (policy.ALONG_K, policy.BACKWARD):  # one schedule: copy engine, one chunk
-        return ((1, 0),)
-    return tuple((c, None) for c in (1, 2, 4))  # the all-gather over rows, and its keep variant
-
-
-def _aligned_candidate(op, cand, m, k, n, group):
-    """False where ``cand``'s chunks do not split this shape (the tuner skips it)."""
-    if cand == TILE or op in (policy.ALONG_K, policy.BACKWARD):
-        return True
-    if op == policy.LAST_DIM:  # the transposed problem: N / group rows per rank, K, M columns
-        return last_dim.choose_chunks(n // group, k, m, cand[0]) == cand[0]
-    return policy.choose_chunks(m // group, k, n, cand[0]) == cand[0]
 
 
 def _problem(op, m, k, n, group):
@@ -335,7 +266,7 @@ def tune_op(
     want = [np.asarray(v.astype(jnp.float32)) for v in jax.tree.leaves(fns["xla"][0](*args))]
     failed = {}
     for cand in candidates(op):
-        if not _aligned_candidate(op, cand, m, k, n, group):
+        if not tuning.aligned(op, cand, m, k, n, group):
             continue  # this split is not aligned for the shape
         extra = dict(schedule=TILE) if cand == TILE else dict(chunks=cand[0], comm_sms=cand[1])
         config = jaxoverlap.Config(backend="fused", timeout_s=timeout_s, **extra)
@@ -350,8 +281,8 @@ def tune_op(
         else:
             why = _check(fn, args, want, dt, timeout_s)
         if why is not None:
-            log.warning("jaxoverlap.tune: %s %dx%dx%d %s: %s", op, m, k, n, _name(cand), why)
-            failed[_name(cand)] = why
+            log.warning("jaxoverlap.tune: %s %dx%dx%d %s: %s", op, m, k, n, name_of(cand), why)
+            failed[name_of(cand)] = why
             continue
         fns[cand] = (fn, args)
     entry = decide(_time(fns, samples, target_ms))
@@ -361,59 +292,6 @@ def tune_op(
     if save:
         record(key, entry)
     return key, entry
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def _key_of(eqn, sizes):
-    """``(op, m, k, n, dtype, group)`` as `Key` counts the jaxoverlap op of ``eqn`` (`OPS`: the
-    variants by their own op), or None."""
-    name = eqn.primitive.name
-    if name not in (*OPS[:3], policy.KEEP, policy.BACKWARD):
-        return None
-    x, w = (v.aval for v in eqn.invars[:2])
-    group = math.prod(sizes.get(a, 1) for a in eqn.params["axis_name"])
-    m, dtype = math.prod(x.shape[:-1]), str(x.dtype)
-    if name == policy.BACKWARD:  # ct [..., n] and w.T [n, k]: the forward's shape
-        return (name, m, w.shape[1], w.shape[0], dtype, group)
-    last = x.ndim - 1
-    if name == "matmul_reduce_scatter" and eqn.params["scatter_dimension"] == last:
-        name = policy.LAST_DIM
-    elif name == "all_gather_matmul" and eqn.params["gather_dimension"] == last:
-        return (policy.ALONG_K, m, w.shape[0], w.shape[1], dtype, group)
-    elif name == policy.KEEP and eqn.params["gather_dimension"] == last:
-        return None  # not fused along K (the forward keeps XLA's gather)
-    elif name in ("all_gather_matmul", policy.KEEP):
-        m *= group  # the key counts gathered rows
-    return (name, m, x.shape[-1], w.shape[1], dtype, group)
-
-
-def shapes_of(fn, *args, **kwargs) -> list[tuple]:
-    """The distinct (op, m, k, n, dtype, group) of the jaxoverlap ops in ``fn``'s jaxpr (at any
-    depth), shaped as `Key` counts them: under autodiff also the all-gather's variant that keeps
-    the gathered x and the column-parallel backward."""
-    found = []
-
-    def visit(jaxpr, sizes):
-        for eqn in jaxpr.eqns:
-            inner = dict(sizes)
-            mesh = eqn.params.get("mesh")
-            if mesh is not None and hasattr(mesh, "shape"):
-                inner.update(dict(mesh.shape))
-            row = _key_of(eqn, inner)
-            if row is not None and row not in found:
-                found.append(row)
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        visit(sub, inner)
-
-    with policy.every_kernel():  # the ops auto could fuse once measured, the backward too
-        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-    visit(jaxpr, {})
-    return found
 
 
 def tune_function(fn, *args, progress=print, **kwargs) -> dict:
@@ -428,19 +306,6 @@ def tune_function(fn, *args, progress=print, **kwargs) -> dict:
         out[key.id()] = entry
         progress(f"[{i}/{len(todo)}] {describe(key, entry)}")
     return out
-
-
-def describe(key: Key, e: dict) -> str:
-    gain = e["ms_xla"] / e["ms_fused"] if e.get("ms_fused") else None
-    setting = f"chunks={e['chunks']} comm_sms={e['comm_sms']}" if e["chunks"] else "-"
-    if e.get("schedule") == TILE:
-        setting = "schedule=tile"
-    failed = "".join(f"; {c} not used: {why}" for c, why in sorted(e.get("failed", {}).items()))
-    return (
-        f"{key.op} {key.m}x{key.k}x{key.n} {key.dtype} tp={key.group}: {e['choice']} "
-        f"(xla {e['ms_xla']:.3f} ms, best fused {e['ms_fused'] or float('nan'):.3f} ms "
-        f"{setting}, {gain or float('nan'):.2f}x, spread {e['spread']:.1%}{failed})"
-    )
 
 
 def main(argv=None) -> int:
@@ -472,7 +337,7 @@ def main(argv=None) -> int:
     ops = OPS if a.op == "all" else (a.op,)
     if a.candidates:
         for op in ops:
-            print(f"{op}: xla, " + ", ".join(_name(c) for c in candidates(op)))
+            print(f"{op}: xla, " + ", ".join(name_of(c) for c in candidates(op)))
         return 0
     if a.list:
         print(cache_path())

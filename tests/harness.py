@@ -54,14 +54,26 @@ def spec_entry(axes):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def normal(key, shape, scale=1.0):
+    """float32 standard normal values of ``shape`` times ``scale`` (a numpy array), drawn by
+    numpy from the bits of the jax ``key``: fixed for a key, like ``jax.random.normal``, but
+    without compiling a sampler per shape (about a second each on CPU, hundreds of shapes)."""
+    seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
+    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    return values * np.float32(scale)
+
+
 def random(key, shape, dtype):
-    """Random normal inputs scaled so matmul outputs stay O(1) in every dtype."""
+    """Random normal inputs scaled so matmul outputs stay O(1) in every dtype (a numpy array, in
+    ``dtype``: `place` puts it on a mesh, jax functions take it as it is)."""
     scale = 1.0 / np.sqrt(shape[-1]) if len(shape) > 1 else 1.0
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+    return normal(key, shape, scale).astype(dtype)
 
 
 def place(mesh, arrays, specs):
-    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+    """``arrays`` laid out over ``mesh`` by ``specs``; from the host (a device-to-device
+    resharding compiles a program per layout on CPU)."""
+    return [jax.device_put(np.asarray(a), NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
 
 
 def sharded(mesh, fn, in_specs, out_specs):
@@ -69,8 +81,8 @@ def sharded(mesh, fn, in_specs, out_specs):
 
 
 def assert_close(actual, expected, tol, what=""):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32))
-    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    actual = np.asarray(actual).astype(np.float32)  # on the host: no program per dtype/layout
+    expected = np.asarray(expected).astype(np.float32)
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     np.testing.assert_allclose(actual, expected, err_msg=what, **tol)
 
@@ -83,6 +95,7 @@ __all__ = [
     "make_mesh",
     "axis_size",
     "spec_entry",
+    "normal",
     "random",
     "place",
     "sharded",

@@ -87,12 +87,21 @@ def check_rewrite(fn, args, ops, dtype=jnp.float32, grad=True):
     for op in ops:
         assert after[op] == before[COLLECTIVE[op]] > 0, (op, before, after)
         assert after[COLLECTIVE[op]] == 0, (op, after)
-    assert_tree_close(jax.jit(new)(*args), jax.jit(fn)(*args), TOL[dtype])
+    argnums = tuple(range(len(args)))
+
+    def both(*args):  # one compile for the four: values and gradients of the rewrite and of fn
+        values = new(*args), fn(*args)
+        if not grad:
+            return values
+        return values + (
+            jax.grad(loss_of(new), argnums)(*args),
+            jax.grad(loss_of(fn), argnums)(*args),
+        )
+
+    got, want, *grads = jax.jit(both)(*args)
+    assert_tree_close(got, want, TOL[dtype])
     if grad:
-        argnums = tuple(range(len(args)))
-        got = jax.jit(jax.grad(loss_of(new), argnums))(*args)
-        want = jax.jit(jax.grad(loss_of(fn), argnums))(*args)
-        assert_tree_close(got, want, TOL[dtype])
+        assert_tree_close(*grads, TOL[dtype])
     return new
 
 

@@ -15,7 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import GRAD_TOL, TOL, P, assert_close, axis_size, make_mesh, place, random, spec_entry
+from harness import (
+    GRAD_TOL,
+    TOL,
+    P,
+    assert_close,
+    axis_size,
+    make_mesh,
+    normal,
+    place,
+    random,
+    spec_entry,
+)
 
 import jaxoverlap
 from jaxoverlap import reference
@@ -90,17 +101,33 @@ def _global_shape(local, spec, mesh):
     )
 
 
-def _run_value_and_grad(mesh, fn, in_specs, out_spec, x, w, ct):
-    """Forward value, and grad of <fn(x, w), ct> w.r.t. x and w, in one jitted program."""
+def _value_and_grad(mesh, fn, in_specs, out_spec, x, w, ct):
+    """Forward value, and grad of <fn(x, w), ct> w.r.t. x and w (traced: call it under jit)."""
     mapped = jax.shard_map(lambda x, w: fn(x, w), mesh=mesh, in_specs=in_specs, out_specs=out_spec)
 
     def loss(x, w):
         out = mapped(x, w)
         return jnp.sum(out.astype(jnp.float32) * ct), out
 
-    with jax.set_mesh(mesh):
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
     return out, grads
+
+
+def _run_all(mesh, op_fn, ref_fn, in_specs, out_spec, x, w, ct):
+    """The op's value and grads, the reference's in the same dtype, and the reference's grads in
+    float32: one jitted program (one compile instead of three; each part is its own shard_map,
+    so the op's hand-written transposes are still what its grads run)."""
+
+    def all_three(x, w, ct):
+        x32, w32 = (a.astype(jnp.float32) for a in (x, w))
+        return (
+            _value_and_grad(mesh, op_fn, in_specs, out_spec, x, w, ct),
+            _value_and_grad(mesh, ref_fn, in_specs, out_spec, x, w, ct),
+            _value_and_grad(mesh, ref_fn, in_specs, out_spec, x32, w32, ct)[1],
+        )
+
+    with jax.set_mesh(mesh):
+        return jax.jit(all_three)(x, w, ct)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -118,16 +145,14 @@ def test_values_and_grads_match_reference(op, case, mesh_name, axes, dtype):
     x, w = place(mesh, (x, w), in_specs)
 
     ct = _ct(kc, mesh, ref_fn, in_specs, out_spec, x, w)
-    ref_out, _ = _run_value_and_grad(mesh, ref_fn, in_specs, out_spec, x, w, ct)
     # Gradients are checked against the reference's gradient computed in float32: XLA:CPU's
     # low-precision dots round every partial sum, so the same-dtype reference gradient is itself
     # off by more than the op is.
     # The op may round like the same-dtype reference (it computes what JAX's own autodiff of the
     # reference computes): allowed that reference's own error on top of the tolerance.
-    x32, w32 = (a.astype(jnp.float32) for a in (x, w))
-    _, ref_grads = _run_value_and_grad(mesh, ref_fn, in_specs, out_spec, x32, w32, ct)
-    _, ref_grads_lp = _run_value_and_grad(mesh, ref_fn, in_specs, out_spec, x, w, ct)
-    out, grads = _run_value_and_grad(mesh, op_fn, in_specs, out_spec, x, w, ct)
+    (out, grads), (ref_out, ref_grads_lp), ref_grads = _run_all(
+        mesh, op_fn, ref_fn, in_specs, out_spec, x, w, ct
+    )
 
     assert out.dtype == ref_out.dtype == dtype
     assert out.sharding.spec == ref_out.sharding.spec
@@ -143,7 +168,7 @@ def _ct(key, mesh, ref_fn, in_specs, out_spec, x, w):
     shape = jax.eval_shape(
         jax.shard_map(ref_fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec), x, w
     ).shape
-    return jax.random.normal(key, shape, jnp.float32)
+    return normal(key, shape)
 
 
 @pytest.mark.parametrize("op", list(CASES))

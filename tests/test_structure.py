@@ -30,7 +30,7 @@ LAYERS = (
     ("fused.knobs", "fused.targets", "fused.cache", "target"),
     ("fused.call", "fused.policy"),
     ("fused.tile", "fused.last_dim", "fused.backward", "fused.tma"),
-    ("fused.rows",),
+    ("fused.rows", "fused.tuning"),
     ("fused.dispatch",),
     ("fused",),
     ("ops.primitives",),

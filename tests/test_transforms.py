@@ -295,8 +295,8 @@ def test_training_internals_compose_with_jvp_and_vmap(op):
         g = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
         return jax.grad(lambda x, w: jnp.sum(jnp.sin(g(x, w))), argnums=(0, 1))
 
-    vx = random(jax.random.key(7), x.shape, x.dtype)
-    vw = random(jax.random.key(8), w.shape, w.dtype)
+    vx = jnp.asarray(random(jax.random.key(7), x.shape, x.dtype))  # captured: a jax array
+    vw = jnp.asarray(random(jax.random.key(8), w.shape, w.dtype))
     hvp = lambda f: jax.jit(lambda x, w: jax.jvp(grads(f), (x, w), (vx, vw)))  # noqa: E731
     (g1, t1), (g2, t2) = hvp(fn)(x, w), hvp(ref)(x, w)
     for a, b in zip((*g1, *t1), (*g2, *t2), strict=True):

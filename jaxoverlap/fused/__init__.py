@@ -10,7 +10,8 @@ Modules, in import order (each imports only those above it):
 * the schedules, which decide *what* a call is from `policy` and hand it to `call.emit`:
   `tile` (the reduce-scatter's tile schedule), `last_dim` (scatter N, gather K), `backward`
   (the column-parallel backward), `tma` (the standalone TMA reduce-scatter); then `rows`
-  (reduce-scatter, all-reduce and all-gather over rows; the tile schedule through `tile`);
+  (reduce-scatter, all-reduce and all-gather over rows; the tile schedule through `tile`),
+  and beside it `tuning` (what `jaxoverlap.tune` tries per op and how it decides);
 * `dispatch`: ``unsupported_reason`` (trace time; also ``explain``'s answer) and ``lower``.
 
 ``jaxoverlap.fused.<name>`` keeps every name the single module ``fused.py`` had. Patch a
@@ -29,6 +30,7 @@ from jaxoverlap.fused import (
     rows,
     targets,
     tile,
+    tuning,
 )
 from jaxoverlap.fused.call import (
     FUSED_EFFECTS,
@@ -144,6 +146,7 @@ __all__ = [
     "site_key",
     "targets",
     "tile",
+    "tuning",
     "tuned",
     "tuned_setting",
     "unsupported_reason",

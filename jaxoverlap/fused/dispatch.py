@@ -179,7 +179,7 @@ def kernel(op, x, w, params, axis_size, keep_gathered=False, target=None):
         kept = ", also returning the gathered x" if keep_gathered else ""
         return rows.gather_target(keep_gathered), f"row blocks pushed by the copy engine{kept}"
     config, m_total, n = params["config"], policy._rows(x.shape), int(axis_size)
-    name, chunks, comm_sms, _ = policy.rows_setting(
+    name, chunks, comm_sms = policy.rows_setting(
         op, config, m_total, x.shape[-1], w.shape[1], x.dtype, n, target
     )
     how = {

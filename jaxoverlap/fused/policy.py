@@ -235,15 +235,16 @@ def new_kernels_reason(entry=None):
 
 def rows_setting(op, config, m_total, k, n_cols, dtype, n, target=None):
     """The reduce-scatter over rows (``op`` matmul_reduce_scatter, or matmul_all_reduce, its
-    schedule with the reduced rows gathered): ``(target, chunks, comm_sms, swizzle)`` with the
-    settings the tuner found for ``op`` and this shape, else the defaults; an explicit
-    ``Config.chunks`` / ``comm_sms`` / ``schedule`` wins. ``swizzle`` only for the tile schedule.
-    ``target``: the `jaxoverlap.target.Target` whose tuning cache to read, as `tuned`'s (explain
-    names the kernel with it)."""
+    schedule with the reduced rows gathered): ``(target, chunks, comm_sms)`` with the settings
+    the tuner found for ``op`` and this shape, else the defaults; an explicit ``Config.chunks`` /
+    ``comm_sms`` / ``schedule`` wins. The tile schedule has no settings here (its raster band is
+    `tile.DEFAULT_SWIZZLE`, which the handler's selection at first execution refines; the tuner
+    records none). ``target``: the `jaxoverlap.target.Target` whose tuning cache to read, as
+    `tuned`'s (explain names the kernel with it)."""
     rs = op == "matmul_reduce_scatter"
     entry = tuned(op, m_total, k, n_cols, dtype, n, target)
     if rs and schedule_of(config, entry) == "tile":
-        return targets.GEMM_RS_TILE_TARGET, 1, 0, (entry or {}).get("swizzle")
+        return targets.GEMM_RS_TILE_TARGET, 1, 0
     setting = tuned_setting(op, m_total, k, n_cols, dtype, n, entry)
     chunks = choose_chunks(m_total // n, k, n_cols, config.chunks or setting[0])
     if chunks is None:
@@ -252,9 +253,9 @@ def rows_setting(op, config, m_total, k, n_cols, dtype, n, target=None):
     if comm_sms == 0 and config.comm_sms is None and new_kernels_reason(entry):
         comm_sms = DEFAULT_COMM_SMS  # an entry of the old tuner's opted-in run; not allowed now
     if comm_sms == 0 and rs:  # the copy engine: the reduce-scatter's CE handler
-        return targets.GEMM_RS_CE_TARGET, chunks, 0, None
+        return targets.GEMM_RS_CE_TARGET, chunks, 0
     target = targets.GEMM_RS_TARGET if rs else targets.GEMM_AR_TARGET
-    return target, chunks, comm_sms or DEFAULT_COMM_SMS, None  # the AR has no CE handler
+    return target, chunks, comm_sms or DEFAULT_COMM_SMS  # the AR has no CE handler
 
 
 def ag_rows_chunks(config, m, k, n_cols, dtype, n):

@@ -42,11 +42,11 @@ def lower_scatter(op, ctx, x, w, params, table):
     """matmul_reduce_scatter over rows, or (``op`` matmul_all_reduce) the all-reduce."""
     x_aval, w_aval = ctx.avals_in
     m_total, k, n_cols = policy._rows(x_aval.shape), x_aval.shape[-1], w_aval.shape[1]
-    target, chunks, comm_sms, swizzle = policy.rows_setting(
+    target, chunks, comm_sms = policy.rows_setting(
         op, params["config"], m_total, k, n_cols, x_aval.dtype, table.n
     )
     if target == targets.GEMM_RS_TILE_TARGET:
-        return tile.lower(ctx, x, w, params, table, swizzle)
+        return tile.lower(ctx, x, w, params, table)
     block = xproc.spec_bytes(m_total // table.n, n_cols, x_aval.dtype)  # the output's block
     workspace = (block, True, target == targets.GEMM_AR_TARGET)
     return call.emit(

@@ -58,14 +58,12 @@ def slot_bytes(m, n_cols):
     return -(-(2 * m * n_cols * 2 + flags * 4) // 256) * 256
 
 
-def lower(ctx, x, w, params, table, swizzle):
+def lower(ctx, x, w, params, table):
     """The tile schedule's custom call (its workspace: one slot per source)."""
     x_aval, w_aval = ctx.avals_in
     m = policy._rows(x_aval.shape) // table.n
     # xproc maps it across processes; exact (the 4th): the slots' flags sit at a place that moves
     # with the shape, so this workspace is not shared by size class (ffi/runtime/ws_class.h)
     workspace = (slot_bytes(m, w_aval.shape[1]), False, False, True)
-    spec = call.row_spec(
-        ctx, params, TARGET, 0, 1, workspace, swizzle=int(swizzle or DEFAULT_SWIZZLE)
-    )
+    spec = call.row_spec(ctx, params, TARGET, 0, 1, workspace, swizzle=DEFAULT_SWIZZLE)
     return call.emit(ctx, table, spec, x, w)

@@ -1,22 +1,30 @@
 """Near-miss advice: how to move the equation that keeps a pair from being rewritten -- given only
-where the moved program computes the same values.
+where the moved program computes the same values, exactly or within rounding (which, it says).
 
 A near miss names the equation between a matmul and its collective. Advice to move it across the
-collective is printed only where that keeps every value equal, and each piece of advice is an
-`Advice` that says exactly which equations move where, so that a test applies it mechanically
-(tests/test_explain_idioms.py) and checks the values. Two moves are advised:
+collective is printed only where the move computes the same function, and each piece of advice
+is an `Advice` that says exactly which equations move where, so that a test applies it
+mechanically (tests/test_explain_idioms.py) and checks the values. The same function is not
+always the same bits: a move that reorders a floating-point sum or rounds a product at another
+point agrees only within rounding, and the advice says so (`Advice.exact` False); a move of
+values only, a negation, or elementwise ops on the block they would see anyway gives the same
+bits (``exact``). Two moves are advised:
 
 * ``"after"``: the one equation that feeds a ``psum``/``psum_scatter`` directly, redone on the
-  collective's result. Equal where it commutes with the sum: for a ``psum`` a linear op of the
-  summed value alone (a slice, a sum over some dimension, a transpose...) or a scale by a value
-  replicated over the group; for a ``psum_scatter`` a negation or a scale by a replicated
-  scalar (anything shaped would have to be scattered too).
+  collective's result. The same where it commutes with the sum: for a ``psum`` a linear op of the
+  summed value alone -- a slice, transpose, reshape, broadcast (exact: they only move values) or
+  a sum over some dimension (within rounding: the same terms summed in another order) -- or a
+  scale by a value replicated over the group (within rounding: the product is rounded once,
+  after the sum, instead of on each rank); for a ``psum_scatter`` a negation (exact) or a scale
+  by a replicated scalar (within rounding; anything shaped would have to be scattered too).
 * ``"before"``: the equations between an ``all_gather`` and its matmul, redone on the local
-  block before the gather. Equal where each acts on the positions along the gathered dimension
-  independently -- elementwise ops, sums and maxima over *other* dimensions (a norm over the
-  features of a gather of rows), broadcasts -- and combines them only with scalars or with
-  values broadcast along the gathered dimension. A norm over the dimension that is gathered (x
-  gathered along K) is not: its statistics need the whole row (`jaxoverlap.rewrite.norms`
+  block before the gather. The same where each acts on the positions along the gathered
+  dimension independently -- elementwise ops, sums and maxima over *other* dimensions (a norm
+  over the features of a gather of rows), broadcasts -- and combines them only with scalars or
+  with values broadcast along the gathered dimension: exact for elementwise ops and broadcasts;
+  within rounding once a sum is among them (XLA may order a row's sum differently when it
+  compiles it for the smaller block). A norm over the dimension that is gathered (x gathered
+  along K) is not the same at all: its statistics need the whole row (`jaxoverlap.rewrite.norms`
   handles that case by reducing the statistics across the group instead).
 """
 
@@ -41,11 +49,20 @@ _LINEAR_UNARY = frozenset(
      "reshape", "transpose", "copy"}
 )  # fmt: skip
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+# Of those, the ones that only move values (a psum of their result is bitwise the same).
+_MOVES_ONLY = _LINEAR_UNARY - {"neg", "reduce_sum"}
+WITHIN_ROUNDING = "the same values within rounding"
+EXACTLY = "exactly the same values"
+
+
+def _same(exact: bool) -> str:
+    """How the advised program's values compare with the original's (the advice text says it)."""
+    return EXACTLY if exact else WITHIN_ROUNDING
 
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """A move that keeps every value equal (see the module docstring).
+    """A move that computes the same values: exactly or within rounding (the module docstring).
 
     Attributes:
       kind: ``"after"`` or ``"before"``.
@@ -57,6 +74,8 @@ class Advice:
       out_dim: ``"before"``: the dimension to gather the last moved equation's result along.
       operands: ``"after"``: the moved equation's operands, None for the collective's result
         (the others replicated: `origin`).
+      exact: the moved program gives the same bits (else the same values within rounding: a
+        sum reordered or a product rounded at another point); the advice text says which.
     """
 
     kind: str
@@ -65,6 +84,7 @@ class Advice:
     dims: tuple = ()
     out_dim: int | None = None
     operands: tuple = ()
+    exact: bool = False
 
 
 def origin(g, atom):
@@ -130,16 +150,24 @@ def after_collective(g, b, src, coll_index, scatter: bool, axes, vma_typed: bool
     if e.invars.count(src) != 1:
         return None, nothing
     if not scatter and name in _LINEAR_UNARY and not others:
-        text = f"apply the {name} after the psum (being linear, it computes the same there)"
-        return Advice("after", coll_index, (b,), operands=(None,)), text
+        exact = name != "reduce_sum"
+        why = {"neg": "a negation commutes with the sum", "reduce_sum": "being linear, it "
+               "commutes with the sum; the same terms are summed in another order"}  # fmt: skip
+        why = why.get(name, "it only moves values")
+        text = f"apply the {name} after the psum ({why}: {_same(exact)})"
+        return Advice("after", coll_index, (b,), operands=(None,), exact=exact), text
     scale = name == "mul" or (name == "div" and e.invars[0] is src)
     operands = tuple(None if a is src else origin(g, a) for a in e.invars)
     if name == "neg" or scale and all(replicated(a, axes, vma_typed) for a in operands if a):
         if not scatter or all(a.aval.ndim == 0 for a in others):
             verb = {"neg": "negate", "mul": "scale", "div": "divide"}[name]
-            text = (f"{verb} after the collective instead (a {name} by a value that is the same "
-                    "on every rank commutes with the sum)")  # fmt: skip
-            return Advice("after", coll_index, (b,), operands=operands), text
+            exact = name == "neg"
+            why = "a negation" if exact else f"a {name} by a value that is the same on every rank"
+            how = "" if exact else ", rounded once after the sum instead of on each rank"
+            text = f"{verb} after the collective instead ({why} commutes with the sum: "
+            text += f"{_same(exact)}{how})"
+            move = Advice("after", coll_index, (b,), operands=operands, exact=exact)
+            return move, text
         return None, (
             f"it is a {name} by a value shaped like the result; after a psum_scatter that value "
             "would have to be scattered too, so no equal form can be suggested"
@@ -240,10 +268,13 @@ def before_gather(g, coll_index, dots, limit: int):
     if len(feeds) != 1 or None in feeds:
         return None, "the matmul's operand does not keep the gathered dimension"
     what = "it acts" if len(region) == 1 else f"the {len(region)} equations from the gather act"
+    exact = not any(g.eqns[j].primitive.name == "reduce_sum" for j in region)
+    same = _same(exact) + ("" if exact else " (XLA may order a row's sum differently)")
     text = (
         f"{what} on each position along the gathered dimension independently (elementwise, or "
         "a norm over the other dimensions), so apply them before the all_gather, on the local "
-        "block (where they cost 1/n)"
+        f"block (where they cost 1/n): {same}"
     )
     moved = tuple(sorted(dims))
-    return Advice("before", coll_index, moved, tuple(dims[j] for j in moved), feeds.pop()), text
+    dims_moved = tuple(dims[j] for j in moved)
+    return Advice("before", coll_index, moved, dims_moved, feeds.pop(), exact=exact), text

@@ -95,14 +95,14 @@ class Match:
     reason: str | None = None
     note: str = ""
     kind: str = "candidate"
-    advice: object = None  # a near miss's `advice.Advice`, where moving the equation is equal
+    advice: object = None  # a near miss's `advice.Advice`, where the move computes the same values
     hoist: tuple[int, ...] = ()  # equations moved up to ``last`` (a weight's cast after it)
     only_if_fused: bool = False  # applied only where the op then runs fused (rewrite/norms.py)
 
 
 class NearMiss(Exception):
     """Something between the pair cannot be moved across the collective; the message says what
-    (and ``advice``, an `advice.Advice` or None, how to move it where that is equal)."""
+    (and ``advice``, an `advice.Advice` or None, how to move it where that computes the same)."""
 
     def __init__(self, message, advice=None):
         super().__init__(message)
