@@ -16,6 +16,7 @@
 #include "kernels/ce.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
+#include "runtime/memops.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -107,6 +108,7 @@ inline std::string preload(DeviceRuntime* dev) {
 // handler lock: the copy-engine protocol kernels and the copy stream (highest priority, so its
 // one-thread signal kernels are scheduled ahead of queued GEMM blocks).
 inline std::string ce_setup(DeviceRuntime* dev) {
+  memop_caps(dev->ordinal);  // kept for the diagnostics (runtime/memops.h; no allocation)
   if (std::string e = load_once(&dev->ce_kernels_loaded, "loading the copy-engine kernels",
                                 preload_ce_kernels);
       !e.empty() || dev->copy)
