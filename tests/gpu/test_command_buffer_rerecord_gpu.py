@@ -23,6 +23,7 @@ def test_rerecord_in_one_process_then_stall(gpus_any):
     outs = _run("rerecord", timeout=150, env={"JAXOVERLAP_COMMAND_BUFFERS": "1"})
     lines = [_results(out) for out in outs]
     report = "\n".join(f"process {p}: {r}" for p, r in enumerate(lines))
+    print(report)
     for p, r in enumerate(lines):
         assert "rerecord" in r and " OK" in r["rerecord"], f"{report}\n{outs[p][-3000:]}"
     c0, c1 = (_counts(r["rerecord"]) for r in lines)

@@ -115,7 +115,7 @@ def run(mesh, arr, process):
         and dt < 3 * TIMEOUT_S
     )
     print(
-        f"rerecord_stall {'OK' if ok else 'FAILED'} in {dt:.1f}s wanted="
+        f"rerecord_stall {'OK' if ok else 'FAILED'} in {dt:.1f}s from={t0:.1f} wanted="
         f"{wanted.group(1) if wanted else None} expected={expected} second_error={again!r}: "
         f"{msg[:300]}",
         flush=True,
