@@ -140,9 +140,9 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   wait_done(xla_stream, ws->done[rank]);
   launch_release_slots(ws->peers[rank], xla_stream);
   Flags* local = ws->peers[rank].flags[rank];
-  if (poison)
+  if (poison)  // given up: the abort word of the device's epoch too (comm.h)
     launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true,
-                         poison->data2, poison->bytes2);
+                         poison->data2, poison->bytes2, nullptr, -1, -1, ws->abort);
   else
     launch_finish(local, xla_stream);
   record_done(ws->done[rank], xla_stream);
@@ -190,7 +190,8 @@ struct CudaRuntime {
   }
   static uint32_t begin_call(Workspace* ws, int rank, int64_t run, int64_t tag,
                              std::string* refused, bool* misordered) {
-    const uint32_t index = jaxoverlap::begin_call(ws, rank, CallId{run, tag}, refused, misordered);
+    const uint32_t index =
+        jaxoverlap::begin_call(ws, rank, CallId{run, tag, under_capture()}, refused, misordered);
     capture_mark("begin_call");
     return index;
   }

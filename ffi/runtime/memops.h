@@ -37,6 +37,12 @@ const MemopCaps& memop_caps(int ordinal);
 cudaError_t stream_write_u32(cudaStream_t stream, uint32_t* addr, uint32_t value);
 // Stream waits until *addr satisfies `value`: geq (cyclic (int32_t)(*addr - value) >= 0) or eq.
 // Never times out by itself: only for flags something is sure to write (see the doc).
+// The captured-GEQ trap: recorded into a CUDA graph, `value` is frozen at capture. A GEQ on a
+// host-side call index (say 1, the call being recorded) passes at once on every later replay --
+// the flag already holds 1 -- a silent race, not a hang (tests/gpu/test_stream_memops_gpu.py). So
+// nothing captured of ours compares a flag with a host value: captured waits compute their target
+// from the device's epoch (kernels), or wait EQ on a constant that is reset in the same batch
+// (NCCL's scheme, stream_wait_eq_then_reset_u32).
 cudaError_t stream_wait_u32(cudaStream_t stream, uint32_t* addr, uint32_t value, bool geq);
 // One cuStreamBatchMemOp of two operations: wait until *addr == value, then write *addr = reset
 // (NCCL's captured scheme: the wait's value is a constant, the reset re-arms it for the next

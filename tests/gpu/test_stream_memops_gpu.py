@@ -76,7 +76,7 @@ def test_captured_geq_on_a_host_index_passes_without_waiting(probe):
 def test_memop_capabilities_are_reported(gpus_any):
     from jaxoverlap import runtime
 
-    caps = dict(runtime.native().stream_memop_caps(gpus_any[0].local_hardware_id))
+    caps = runtime.stream_memop_caps(gpus_any[0].local_hardware_id)
     print("stream_memop_caps", caps)
     assert caps["entry_points"], caps
     for key in ("mem_ops_64", "flush_remote_writes", "wait_value_nor"):
