@@ -142,13 +142,13 @@ MemopsProbe stream_memops_probe(int ordinal, int replays, double bound_s) {
     r.kernel_flag_after = w.flag;
     r.kernel_ms = elapsed_ms();
 
-    // (2) Captured once, replayed: wait started == all (a constant) and reset it in one batch,
-    // then copy the occupier's value into the flag.
+    // (2) Captured once, replayed (NCCL's captured scheme: constants and resets): wait until
+    // started == all and reset it in one batch, then write the flag 1; after each occupier, its
+    // stream resets the flag to 0 for the next replay.
     if (fail("cudaStreamBeginCapture", cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal)))
       break;
     fail("capture wait+reset", stream_wait_eq_then_reset_u32(s, &d->started, all, 0));
-    fail("capture copy",
-         cudaMemcpyAsync(&d->flag, &d->word, 4, cudaMemcpyDeviceToDevice, s));
+    fail("capture write", stream_write_u32(s, &d->flag, 1));
     if (fail("cudaStreamEndCapture", cudaStreamEndCapture(s, &graph))) break;
     size_t count = 0;
     fail("cudaGraphGetNodes", cudaGraphGetNodes(graph, nullptr, &count));
@@ -156,23 +156,24 @@ MemopsProbe stream_memops_probe(int ordinal, int replays, double bound_s) {
     fail("cudaGraphGetNodes", cudaGraphGetNodes(graph, nodes.data(), &count));
     r.graph_memop_nodes = r.graph_memcpy_nodes = 0;
     for (cudaGraphNode_t n : nodes) {
-      cudaGraphNodeType type;
-      cudaGraphNodeGetType(n, &type);
-      r.graph_memop_nodes += (int)type == 12;  // CU_GRAPH_NODE_TYPE_BATCH_MEM_OP
+      const int type = graph_node_type(n);
+      r.graph_memop_nodes += type == 12;  // CU_GRAPH_NODE_TYPE_BATCH_MEM_OP
       r.graph_memcpy_nodes += type == cudaGraphNodeTypeMemcpy;
     }
     if (fail("cudaGraphInstantiate", cudaGraphInstantiate(&exec, graph, 0)) || !reset()) break;
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 1; i <= replays && r.error.empty(); ++i) {
-      occupy((uint32_t)i, &d->word, (uint32_t)i);
+      occupy(1, nullptr, 0);
       fail("cudaGraphLaunch", cudaGraphLaunch(exec, s));
+      fail("stream_write_u32", stream_write_u32(k, &d->flag, 0));  // after the occupier
+      fail("stream_write_u32", stream_write_u32(k, &d->word, (uint32_t)i));  // replays done
     }
     if (fail("sync", cudaDeviceSynchronize())) break;
     r.replay_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                       .count() / std::max(replays, 1);
     w = words();
     r.replay_timeouts = (int)w.timeouts;
-    r.replay_flag_after = w.flag;
+    r.replay_flag_after = w.word;
 
     // (3) The trap: GEQ on the index the host knew at capture (1).
     if (!reset()) break;

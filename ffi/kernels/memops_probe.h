@@ -22,14 +22,13 @@ struct MemopsProbe {
   int kernel_timeouts = -1;       // a one-thread kernel (today's signal): expected all blocks
   double kernel_ms = 0;
   uint32_t kernel_flag_after = 0;  // the one-thread kernel ran once the occupier left
-  // A graph captured once -- wait (EQ, constant) + reset in one batch, then the copy of the
-  // device-held value into the flag -- replayed against a fresh occupier each time, whose
-  // target (the value) only the device knows.
+  // A graph captured once -- wait (EQ, constant) + reset in one batch, then a stream write of
+  // the flag -- replayed against a fresh occupier each time (its stream resets the flag after it).
   int replays = 0;
   int replay_timeouts = -1;  // occupier blocks that timed out over all replays
-  uint32_t replay_flag_after = 0;  // the flag after the last replay (= replays)
-  int graph_memop_nodes = -1;      // batch memory-operation nodes in the captured graph
-  int graph_memcpy_nodes = -1;
+  uint32_t replay_flag_after = 0;  // replays completed in stream order (= replays)
+  int graph_memop_nodes = -1;      // batch memory-operation nodes in the captured graph (2)
+  int graph_memcpy_nodes = -1;     // (0)
   double replay_ms = 0;            // per replay (occupier + graph), mean
   // The trap: a wait GEQ on the value the host knew at capture (1), replayed for call 2.
   bool trap_first_waited = false;   // replay 1 waited until the flag reached 1

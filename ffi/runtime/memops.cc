@@ -22,6 +22,7 @@ struct MemopApi {
   PFN_cuStreamBatchMemOp_v11070 batch = nullptr;
   PFN_cuDeviceGet_v2000 device = nullptr;
   PFN_cuDeviceGetAttribute_v2000 attribute = nullptr;
+  PFN_cuGraphNodeGetType_v10000 node_type = nullptr;
 };
 const MemopApi& api() {
   static const MemopApi a = [] {
@@ -32,6 +33,8 @@ const MemopApi& api() {
     m.device = reinterpret_cast<decltype(m.device)>(driver_entry("cuDeviceGet", 2000));
     m.attribute =
         reinterpret_cast<decltype(m.attribute)>(driver_entry("cuDeviceGetAttribute", 2000));
+    m.node_type =
+        reinterpret_cast<decltype(m.node_type)>(driver_entry("cuGraphNodeGetType", 10000));
     return m;
   }();
   return a;
@@ -71,6 +74,13 @@ const MemopCaps& memop_caps(int ordinal) {
     c.wait_value_nor = ask(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR);
   }
   return caps.emplace(ordinal, c).first->second;
+}
+
+int graph_node_type(cudaGraphNode_t node) {
+  CUgraphNodeType t;
+  if (!api().node_type || api().node_type(reinterpret_cast<CUgraphNode>(node), &t) != CUDA_SUCCESS)
+    return -1;
+  return (int)t;
 }
 
 cudaError_t stream_write_u32(cudaStream_t stream, uint32_t* addr, uint32_t value) {

@@ -50,4 +50,8 @@ cudaError_t stream_wait_u32(cudaStream_t stream, uint32_t* addr, uint32_t value,
 cudaError_t stream_wait_eq_then_reset_u32(cudaStream_t stream, uint32_t* addr, uint32_t value,
                                           uint32_t reset);
 
+// The driver's type of a graph node (CUgraphNodeType; -1 on error): the runtime's
+// cudaGraphNodeGetType fails on a batch memory-operation node (CU_GRAPH_NODE_TYPE_BATCH_MEM_OP).
+int graph_node_type(cudaGraphNode_t node);
+
 }  // namespace jaxoverlap
