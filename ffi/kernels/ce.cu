@@ -217,7 +217,10 @@ cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int
   }
   // Outside capture: a stream write of the epoch target, in stream order after the push, with
   // the default fence before it -- no SM (measured: a kernel holding every SM does not delay it).
-  if (host_knows) return stream_write_u32(stream, flag, t_call_epoch);
+  // A driver that refuses the write (an address it cannot write by a stream operation: not
+  // seen, CUDA documents none for peer or IPC mappings) falls back to the copy below.
+  if (host_knows && stream_write_u32(stream, flag, t_call_epoch) == cudaSuccess)
+    return cudaSuccess;
   // Captured (and every call of this rank's workspace after a capture): 4 bytes from this rank's
   // signal word, read when the copy runs, so a replay carries its own epoch (a captured stream
   // write would carry the recording's: the trap in runtime/memops.h). NCCL's copy-engine
