@@ -27,8 +27,8 @@ struct MemopsProbe {
   int replays = 0;
   int replay_timeouts = -1;  // occupier blocks that timed out over all replays
   uint32_t replay_flag_after = 0;  // replays completed in stream order (= replays)
-  int graph_memop_nodes = -1;      // batch memory-operation nodes in the captured graph (2)
-  int graph_memcpy_nodes = -1;     // (0)
+  int graph_memop_nodes = -1;      // batch memory-operation nodes in the captured graph
+  int graph_memcpy_nodes = -1;     // memcpy nodes in it (none)
   double replay_ms = 0;            // per replay (occupier + graph), mean
   // The trap: a wait GEQ on the value the host knew at capture (1), replayed for call 2.
   bool trap_first_waited = false;   // replay 1 waited until the flag reached 1
