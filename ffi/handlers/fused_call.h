@@ -106,7 +106,8 @@ inline std::string preload(DeviceRuntime* dev) {
 
 // For the handlers whose pushes ride on the copy engine, once per device, under the device's
 // handler lock: the copy-engine protocol kernels and the copy stream (highest priority, so its
-// one-thread signal kernels are scheduled ahead of queued GEMM blocks).
+// one-thread kernels -- slot-free waits, the all-reduce's signals -- are scheduled ahead of
+// queued GEMM blocks; its other signals need no SM, kernels/ce.h).
 inline std::string ce_setup(DeviceRuntime* dev) {
   memop_caps(dev->ordinal);  // kept for the diagnostics (runtime/memops.h; no allocation)
   if (std::string e = load_once(&dev->ce_kernels_loaded, "loading the copy-engine kernels",

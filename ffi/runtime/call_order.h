@@ -50,7 +50,7 @@ class CallOrder {
   // Rank `rank` of `n` issues its next call, identified by `id`. Returns false if an earlier
   // rank issued a different logical call under the same number; then `*why` describes both --
   // once per call number (empty for the ranks that find the same difference later).
-  // Always true once a call was captured (comparing()).
+  // Always true once a call of the workspace was captured.
   bool issue(int rank, int n, CallId id, std::string* why) {
     why->clear();
     if (id.captured && comparing_) {
@@ -77,8 +77,6 @@ class CallOrder {
     if (o.ranks == (1u << n) - 1u) open_.erase(it);
     return same;
   }
-  // False once a call of the workspace was captured: the hosts' call numbers no longer pair.
-  bool comparing() const { return comparing_; }
 
  private:
   struct Key {
@@ -135,7 +133,7 @@ class CallOrder {
     return buf;
   }
 
-  bool comparing_ = true;
+  bool comparing_ = true;  // false once a call was captured: the hosts' numbers no longer pair
   uint64_t calls_[kRanks] = {};
   uint64_t clock_ = 0;
   std::vector<Seen> seen_[kRanks];
