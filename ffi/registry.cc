@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "kernels/ce.h"
+#include "kernels/memops_probe.h"
+#include "runtime/memops.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -307,6 +309,45 @@ NB_MODULE(_native, m) {
   m.def("_context_check", &context_check, nb::arg("ordinal"), nb::arg("site"),
         "Test-only: a fresh thread's current CUDA context around a DeviceGuard round trip and a "
         "workspace export (issue 26, R1).");
+  m.def(
+      "_stream_memops_probe",
+      [](int ordinal, int replays, double bound_s) {
+        const jaxoverlap::MemopsProbe r = [&] {
+          nb::gil_scoped_release unlocked;
+          jaxoverlap::DeviceGuard guard;
+          return jaxoverlap::stream_memops_probe(ordinal, replays, bound_s);
+        }();
+        nb::dict d;
+        d["error"] = r.error, d["sms"] = r.sms, d["blocks"] = r.blocks;
+        d["resident_per_sm"] = r.resident_per_sm, d["bound_s"] = r.bound_s;
+        d["write_value_timeouts"] = r.write_value_timeouts, d["write_value_ms"] = r.write_value_ms;
+        d["copy_timeouts"] = r.copy_timeouts, d["copy_ms"] = r.copy_ms;
+        d["kernel_timeouts"] = r.kernel_timeouts, d["kernel_ms"] = r.kernel_ms;
+        d["kernel_flag_after"] = r.kernel_flag_after, d["replays"] = r.replays;
+        d["replay_timeouts"] = r.replay_timeouts, d["replay_flag_after"] = r.replay_flag_after;
+        d["graph_memop_nodes"] = r.graph_memop_nodes;
+        d["graph_memcpy_nodes"] = r.graph_memcpy_nodes, d["replay_ms"] = r.replay_ms;
+        d["trap_first_waited"] = r.trap_first_waited;
+        d["trap_second_waited"] = r.trap_second_waited;
+        return d;
+      },
+      nb::arg("ordinal"), nb::arg("replays") = 200, nb::arg("bound_s") = 0.25,
+      "Test-only (issue 26, R5): a kernel holding every SM released by cuStreamWriteValue32, by "
+      "a 4-byte copy, by a one-thread kernel; a captured wait+copy replayed; the captured-GEQ "
+      "trap (kernels/memops_probe.h says what each field is).");
+  m.def(
+      "stream_memop_caps",
+      [](int ordinal) {
+        const jaxoverlap::MemopCaps& c = jaxoverlap::memop_caps(ordinal);
+        nb::dict d;
+        d["mem_ops_64"] = c.mem_ops_64, d["flush_remote_writes"] = c.flush_remote_writes;
+        d["wait_value_nor"] = c.wait_value_nor, d["entry_points"] = c.entry_points;
+        return d;
+      },
+      nb::arg("ordinal"),
+      "What a CUDA ordinal supports of the stream memory operations (-1: could not be asked): "
+      "64-bit operations, CU_STREAM_WAIT_VALUE_FLUSH, wait NOR; and whether the driver gave the "
+      "entry points.");
   m.def("gemm_plans", &gemm_plans, nb::arg("ordinal"),
         "The GEMM plans of a CUDA ordinal: shape, SM target, and which of cuBLASLt's candidates "
         "the timing chose (ms of the heuristic's first choice and of the kept one).");

@@ -210,6 +210,15 @@ def peer_link(a: int, b: int) -> dict:
     return dict(mod.peer_link(int(a), int(b)))
 
 
+def stream_memop_caps(ordinal: int) -> dict:
+    """Diagnostics (issue 26, R5): what a CUDA ordinal supports of the stream memory operations --
+    ``mem_ops_64``, ``flush_remote_writes``, ``wait_value_nor`` (1/0; -1: could not be asked) and
+    ``entry_points`` (the driver gave cuStreamWriteValue32/WaitValue32/BatchMemOp); ``{}`` without
+    the native extension. docs/ordering-and-stream-memops.md section 3 says what uses them."""
+    mod = native()
+    return {} if mod is None else dict(mod.stream_memop_caps(int(ordinal)))
+
+
 def memory_in_use(ordinal: int) -> int:
     """Device memory in use on a CUDA ordinal (total - free, all allocators), bytes."""
     mod = native()

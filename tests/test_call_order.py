@@ -31,8 +31,8 @@ def driver(tmp_path_factory):
     exe = native_driver(tmp_path_factory, "call_order_driver.cc")
 
     def run(n, calls):
-        """calls: [(rank, run, tag)] in host order -> [(same, reported)] per call."""
-        text = "".join(f"{r} {run} {tag}\n" for r, run, tag in calls)
+        """calls: [(rank, run, tag[, captured])] in host order -> [(same, reported)] per call."""
+        text = "".join(" ".join(str(v) for v in c) + "\n" for c in calls)
         out = subprocess.run([str(exe), str(n)], input=text, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         return [tuple(int(v) for v in ln.split()) for ln in out.stdout.splitlines()], out.stderr
@@ -110,6 +110,32 @@ def test_control_flow_that_differs_between_devices_is_flagged(driver):
     rank1 = [(1, 1)]
     for order in ([0, 0, 1], [1, 0, 0], [0, 1, 0]):
         assert _replay(driver, 2, [rank0, rank1], order)[0] == 1
+
+
+def test_command_buffers_rerecorded_on_one_rank_are_not_flagged(driver):
+    """Issue 26, R3: under XLA's command buffers a device replays its graph without the handler,
+    and XLA re-records per device (here rank 1 alone: an eviction or moved buffers), so the two
+    hosts' call numbers count different things. Once a call of the workspace was captured the
+    guard stops comparing them (the devices' epochs pair the calls); before that it flags a
+    difference as always."""
+    warm_up, record = 0, 1  # a command buffer's first execution is uncaptured, then recorded
+    calls = [
+        (0, 1000, 3, warm_up), (1, 1000, 3, warm_up),
+        (0, 1001, 3, record), (1, 1001, 3, record),  # then both replay: nothing on the hosts
+        (1, 1005, 3, warm_up), (1, 1006, 3, record),  # rank 1 re-records alone
+        (0, 1009, 3, warm_up), (1, 1009, 3, warm_up),  # a later re-record of both
+        (0, 1010, 3, record), (1, 1010, 3, record),
+    ]  # fmt: skip
+    got, why = driver(2, calls)
+    assert got == [(1, 0)] * len(calls), (got, why)
+    # Without a capture, the same host sequences are a difference (the guard is armed).
+    plain = [(r, run, tag, 0) for r, run, tag, _ in calls]
+    got, why = driver(2, plain)
+    assert any(g == (0, 1) for g in got) and "different orders" in why, got
+    # Before the first capture a difference is still flagged; after it, none is.
+    mixed = [(0, 1, 3, 0), (0, 2, 3, 0), (1, 2, 3, 0), (1, 1, 3, 0), (0, 5, 3, 1), (1, 7, 3, 1)]
+    got, why = driver(2, mixed)
+    assert [g[0] for g in got] == [1, 1, 0, 0, 1, 1] and sum(g[1] for g in got) == 2, got
 
 
 def test_random_orders_against_the_logical_calls(driver):

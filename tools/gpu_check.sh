@@ -132,15 +132,19 @@ if ((TESTS)); then
     # One GPU: only what runs there -- two processes sharing it (tests/gpu/test_xproc_gpu.py:
     # every fused op and the training path with two ranks, time-sliced; no speed), the GEMM
     # search, the export's thread left without a CUDA context (test_device_context_gpu.py),
-    # explain's verdicts against the compiled programs (test_explain_gpu.py) and the order of a
+    # explain's verdicts against the compiled programs (test_explain_gpu.py), the order of a
     # device's fused calls (test_order_gpu.py, ~80 s: command buffers with the order token, the
-    # inverted order's bounded deadlock, 1,000 runs under CONCURRENT). GPU_CHECK_TESTS_K=
+    # inverted order's bounded deadlock, 1,000 runs under CONCURRENT), stream memory
+    # operations and the copy-engine signal against a kernel holding every SM
+    # (test_stream_memops_gpu.py) and command buffers re-recorded in one process only
+    # (test_command_buffer_rerecord_gpu.py). GPU_CHECK_TESTS_K=
     # "not bitwise" adds the second set of shapes (test_ops_across_processes_other_shapes).
     echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
     step gpu-tests-one-gpu "${GPU_CHECK_TESTS_S:-380}" env JAXOVERLAP_REQUIRE_GPU=1 \
       XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest tests/gpu/test_xproc_gpu.py \
       tests/gpu/test_gemm_search_gpu.py tests/gpu/test_device_context_gpu.py \
-      tests/gpu/test_explain_gpu.py tests/gpu/test_order_gpu.py -q -p no:cacheprovider -rA \
+      tests/gpu/test_explain_gpu.py tests/gpu/test_order_gpu.py tests/gpu/test_stream_memops_gpu.py \
+      tests/gpu/test_command_buffer_rerecord_gpu.py -q -p no:cacheprovider -rA \
       -k "${GPU_CHECK_TESTS_K:-not bitwise and not other_shapes}"
   fi
 fi

@@ -16,6 +16,7 @@
 #include "kernels/ce.h"
 #include "kernels/comm.h"
 #include "kernels/tile_rs.h"
+#include "runtime/memops.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -105,8 +106,10 @@ inline std::string preload(DeviceRuntime* dev) {
 
 // For the handlers whose pushes ride on the copy engine, once per device, under the device's
 // handler lock: the copy-engine protocol kernels and the copy stream (highest priority, so its
-// one-thread signal kernels are scheduled ahead of queued GEMM blocks).
+// one-thread kernels -- slot-free waits, the all-reduce's signals -- are scheduled ahead of
+// queued GEMM blocks; its other signals need no SM, kernels/ce.h).
 inline std::string ce_setup(DeviceRuntime* dev) {
+  memop_caps(dev->ordinal);  // kept for the diagnostics (runtime/memops.h; no allocation)
   if (std::string e = load_once(&dev->ce_kernels_loaded, "loading the copy-engine kernels",
                                 preload_ce_kernels);
       !e.empty() || dev->copy)
@@ -138,9 +141,9 @@ inline void close_call(cudaStream_t xla_stream, DeviceRuntime* dev, const Partit
   wait_done(xla_stream, ws->done[rank]);
   launch_release_slots(ws->peers[rank], xla_stream);
   Flags* local = ws->peers[rank].flags[rank];
-  if (poison)
+  if (poison)  // given up: the abort word of the device's epoch too (comm.h)
     launch_finish_poison(local, poison->data, poison->bytes, poison->dtype, xla_stream, true,
-                         poison->data2, poison->bytes2);
+                         poison->data2, poison->bytes2, nullptr, -1, -1, ws->abort);
   else
     launch_finish(local, xla_stream);
   record_done(ws->done[rank], xla_stream);
@@ -189,7 +192,9 @@ struct CudaRuntime {
   }
   static uint32_t begin_call(Workspace* ws, int rank, int64_t run, int64_t tag,
                              std::string* refused, bool* misordered) {
-    const uint32_t index = jaxoverlap::begin_call(ws, rank, CallId{run, tag}, refused, misordered);
+    const uint32_t index =
+        jaxoverlap::begin_call(ws, rank, CallId{run, tag, under_capture()}, refused, misordered);
+    set_call_epoch(index);  // the copy-engine signals' value outside capture (kernels/ce.h)
     capture_mark("begin_call");
     return index;
   }

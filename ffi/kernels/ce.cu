@@ -7,23 +7,48 @@
 // call, never reset):
 //   copy stream, for each destination j = r + 1, ..., r - 1 (mod n):
 //     wait slot_free[j] >= e - 1 on r (j's GEMMs of the previous call no longer read the slot),
-//     per chunk k: copy x chunk k -> j's slot for r, then release arrive[r][k][0] = e on j.
+//     and store e into r's signal word (signal_word below);
+//     per chunk k: copy x chunk k -> j's slot for r, then copy r's signal word (4 bytes, e) into
+//     arrive[r][k][0] on j: the copy engine signals, no SM (kernels/ce.h).
 //   GEMM stream: own block first, then for each source s = r - 1, ..., r + 1 (mod n), per chunk:
 //     wait arrive[s][k][0] >= e on r, GEMM on the slot; last, release slot_free[r] = e on every
 //     peer (launch_release_slots), and the finish kernel advances the epoch after the join.
 #include <algorithm>
+#include <mutex>
+#include <set>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/ce.h"
+#include "runtime/capture.h"
+#include "runtime/memops.h"
 
 namespace jaxoverlap {
 namespace {
 
+// The copy-engine signal's source (issue 26, R5): a word of this rank's Flags that holds the
+// value its arrival signals of the running call carry -- the call's epoch target e, or 0 when the
+// call must not be signalled (below) -- stored by the slot-free wait that precedes the call's
+// pushes on the copy stream, and copied by the copy engine into the peer's arrival flag after each
+// push. The value lives on the device, as every epoch does, so a signal recorded into a CUDA graph
+// carries the replay's epoch, not the one of the recording (a cuStreamWriteValue32 would freeze
+// the host's value at capture: docs/ordering-and-stream-memops.md, section 3). The word is the
+// last of Flags::pad0, unused by every kernel (kernels/common.cuh is left alone: editing it
+// recompiles every CUTLASS instantiation); it should get its own name there at the next change.
+constexpr int kSignalWord = (int)(sizeof(Flags::pad0) / sizeof(uint32_t)) - 1;
+__host__ __device__ inline uint32_t* signal_word(Flags* f) { return &f->pad0[kSignalWord]; }
+
+// The host's number of the call this thread's handler runs (set_call_epoch; 0: none), and the
+// ranks' flag blocks of which a call was ever captured: from then on the host's number is not the
+// device's epoch (replays advance the epoch without the host), and only the copy is right.
+thread_local uint32_t t_call_epoch = 0;
+std::mutex g_captured_mu;
+std::set<const Flags*> g_captured;
+
 __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int dst, int op,
                                          uint64_t timeout_ns, ErrorRecord* err) {
-  const Flags* local = p.flags[p.rank];
+  Flags* local = p.flags[p.rank];
   const uint32_t e = local->epoch + 1u;
   // The copy behind this kernel runs whatever it returns, so it must not give up on the call's
   // abort word: `dst` may still be reading the slot for its previous call (a host that failed
@@ -31,16 +56,25 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
   // ones too, close_call), so only a peer that truly stalls ends this wait -- at the timeout.
   Peers q = p;
   q.abort = nullptr;
-  if (wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
-                {op, kWaitSlotFree, dst, -1}))
-    return;
-  if (p.abort) *(volatile uint32_t*)abort_word(p.abort, e) = e;  // give it up on every rank
-  // A spanning group given up for good (Peers::dead; this wait timed out, or an earlier one):
-  // the copy still overwrites the slot, which a peer that is alive but stalled could yet be
-  // reading for its previous call. Mark the peer poisoned from that call on (sticky, first mark
-  // wins: the calls launched ahead here would each mark a later one), so its finishes fill
-  // their outputs with NaN and report it rather than let mixed data pass.
-  if (p.dead && e > 1u) atomicCAS_system(&p.flags[dst]->poison_from, 0u, e - 1u);
+  if (!wait_flag(&local->slot_free[dst], e - 1u, true, timeout_ns, err, q,
+                 {op, kWaitSlotFree, dst, -1})) {
+    if (p.abort) *(volatile uint32_t*)abort_word(p.abort, e) = e;  // give it up on every rank
+    // A spanning group given up for good (Peers::dead; this wait timed out, or an earlier one):
+    // the copy still overwrites the slot, which a peer that is alive but stalled could yet be
+    // reading for its previous call. Mark the peer poisoned from that call on (sticky, first
+    // mark wins: the calls launched ahead here would each mark a later one), so its finishes
+    // fill their outputs with NaN and report it rather than let mixed data pass.
+    if (p.dead && e > 1u) atomicCAS_system(&p.flags[dst]->poison_from, 0u, e - 1u);
+  }
+  // What this call's signals carry (signal_word): e, or 0 -- below every epoch target, so no
+  // wait is satisfied by it -- in a spanning group given up for good, or a call given up here
+  // (a receiver in another process cannot see this process's abort word). Decided here, before
+  // the pushes, not at each signal as the one-thread signal kernel did: the pushed data (x or
+  // GEMM partials of this rank's own inputs) does not depend on this rank's waits, so a signal
+  // of a call given up later still hands over correct data.
+  const bool silent = p.dead && (*(volatile uint32_t*)p.dead ||
+                                 (p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e));
+  *(volatile uint32_t*)signal_word(local) = silent ? 0u : e;
   __threadfence_system();
 }
 
@@ -168,9 +202,34 @@ cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64
 
 cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
                                      cudaStream_t stream, bool gathered) {
-  ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank, gathered ? 1 : 0);
-  return cudaGetLastError();
+  if (gathered) {  // a reduced chunk: whether to signal is decided when it is sent (the kernel)
+    ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank, 1);
+    return cudaGetLastError();
+  }
+  if (stall_rank == peers.rank) return cudaSuccess;  // tests: this rank never signals
+  Flags* local = peers.flags[peers.rank];
+  uint32_t* flag = &peers.flags[dst]->arrive[peers.rank][chunk][0];
+  bool host_knows;  // the host's call number is this call's epoch target
+  {
+    std::lock_guard<std::mutex> lock(g_captured_mu);
+    if (under_capture()) g_captured.insert(local);
+    host_knows = t_call_epoch != 0 && !under_capture() && !g_captured.count(local);
+  }
+  // Outside capture: a stream write of the epoch target, in stream order after the push, with
+  // the default fence before it -- no SM (measured: a kernel holding every SM does not delay it).
+  // A driver that refuses the write (an address it cannot write by a stream operation: not
+  // seen, CUDA documents none for peer or IPC mappings) falls back to the copy below.
+  if (host_knows && stream_write_u32(stream, flag, t_call_epoch) == cudaSuccess)
+    return cudaSuccess;
+  // Captured (and every call of this rank's workspace after a capture): 4 bytes from this rank's
+  // signal word, read when the copy runs, so a replay carries its own epoch (a captured stream
+  // write would carry the recording's: the trap in runtime/memops.h). NCCL's copy-engine
+  // collectives signal peers by such a copy too. Measured on one GPU: a copy within one device
+  // runs on an SM, like the kernel; whether a copy to a peer GPU does is for the two-GPU run.
+  return cudaMemcpyAsync(flag, signal_word(local), sizeof(uint32_t), cudaMemcpyDefault, stream);
 }
+
+void set_call_epoch(uint32_t index) { t_call_epoch = index; }
 
 cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
                                    uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream,

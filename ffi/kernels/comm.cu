@@ -260,15 +260,28 @@ __device__ bool bulk_move(char* dst, const char* src, int64_t bytes, int b, int 
 // then copies each chunk of the accumulator to the output once the peer's add has arrived. Warp
 // 0's lane 0 adds its pieces of the peer's block into the peer's accumulator (after the peer's
 // acc_ready) and releases arrive. The pair (rank r, CTA b) only ever waits on (peer, CTA b).
+// b is not blockIdx.x but the CTA's place in the order the CTAs started (a ticket of
+// Flags::claim, as the tile schedule hands out tiles; issue 26, R6): the comm partition does not
+// keep other kernels out (XLA's NCCL, other streams), so each GPU may run only a subset of the
+// CTAs at first. With fixed indices two GPUs could run disjoint subsets, each CTA waiting on a
+// peer CTA that cannot start until the timeout; with tickets the CTAs running on each GPU hold
+// the smallest b, so the pairs below the smaller count always both run, finish and make room.
 __global__ void __launch_bounds__(kReducePushThreads, 1)
     reduce_push_kernel(const __grid_constant__ CommArgs a) {
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t mbar[kPushStages + kLocalStages];
+  __shared__ int ticket;
   const Peers& p = a.peers;
-  const int r = p.rank, s = 1 - r, b = blockIdx.x, nb = gridDim.x;
-  if (threadIdx.x % 32 != 0) return;
-  Flags* local = p.flags[r];
+  Flags* local = p.flags[p.rank];
   const uint32_t e = call_target(p);
+  if (threadIdx.x == 0) {
+    // The call of epoch target e counts in claim[e & 1], which the finish of the previous call
+    // zeroed (finish_kernel below): every counted call ends with one, launched or not.
+    ticket = (int)atomicAdd(&local->claim[e & 1u], 1u);
+  }
+  __syncthreads();
+  const int r = p.rank, s = 1 - r, b = ticket, nb = gridDim.x;
+  if (threadIdx.x % 32 != 0) return;
   const int64_t chunk_bytes = a.block_bytes / a.chunks;
   const bool signal = a.stall_rank != r;
   uint32_t it = 0;
@@ -358,17 +371,33 @@ __global__ void release_slots_kernel(const __grid_constant__ Peers p) {
   if (s < p.n && s != p.rank) st_release_sys(&p.flags[s]->slot_free[p.rank], e);
 }
 
-__global__ void finish_kernel(Flags* local) { local->epoch = local->epoch + 1u; }
+// Every counted call ends with one of the two finish kernels below (join or close_call): the
+// epoch advances, and the ticket counter of the next call (Flags::claim of its epoch parity: the
+// reduce-push CTAs above, the tile schedule's tiles) is zeroed -- here, not by the next call's
+// kernel, because a call refused or given up before its launch runs no kernel but this one, and
+// the counter of the call after it would otherwise still hold the count of two calls before.
+__device__ __forceinline__ void finish_epoch(Flags* local, uint32_t epoch) {
+  local->claim[(epoch + 2u) & 1u] = 0;  // the next call's target is epoch + 2
+  local->epoch = epoch + 1u;
+}
+
+__global__ void finish_kernel(Flags* local) { finish_epoch(local, local->epoch); }
 
 // The finish kernel of a call with an output: if a wait of this rank gave up in this call (or
 // `force`: its host failed), or a peer process poisoned it (Flags::poison_from; reported in
 // `err` if given), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it cannot
 // pass for a result; then advance the epoch. One block: the common case costs what
 // finish_kernel costs.
+// `abort` (with `force`): raise the call's abort word first, by the epoch the device counted
+// (close_call, handlers/fused_call.h).
 __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
                                      int64_t elems2, uint16_t nan, int force, ErrorRecord* err,
-                                     int device, int rank) {
+                                     int device, int rank, uint32_t* abort) {
   const uint32_t epoch = local->epoch;
+  if (force && abort && threadIdx.x == 0) {
+    *(volatile uint32_t*)abort_word(abort, epoch + 1u) = epoch + 1u;
+    __threadfence_system();
+  }
   const uint32_t from = *(volatile uint32_t*)&local->poison_from;
   const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
   if (poisoned && err && threadIdx.x == 0) {
@@ -390,7 +419,7 @@ __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems,
     for (int64_t i = threadIdx.x; i < elems2; i += blockDim.x) out2[i] = nan;
   }
   __syncthreads();
-  if (threadIdx.x == 0) local->epoch = epoch + 1u;
+  if (threadIdx.x == 0) finish_epoch(local, epoch);
 }
 
 }  // namespace
@@ -448,11 +477,11 @@ cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
 
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
                                  cudaStream_t stream, bool force, void* out2, int64_t bytes2,
-                                 ErrorRecord* err, int device, int rank) {
+                                 ErrorRecord* err, int device, int rank, uint32_t* abort) {
   const uint16_t nan = dtype == DType::kBF16 ? 0x7fc0u : 0x7e00u;
   finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2,
                                               static_cast<uint16_t*>(out2), out2 ? bytes2 / 2 : 0,
-                                              nan, force ? 1 : 0, err, device, rank);
+                                              nan, force ? 1 : 0, err, device, rank, abort);
   return cudaGetLastError();
 }
 

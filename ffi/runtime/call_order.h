@@ -11,6 +11,17 @@
 // where two ranks' sequences differ, their (run, tag) differ. The occurrence tells apart calls
 // mispaired after that (one scan body's iterations k and k + 1).
 //
+// Under XLA's command buffers (JAXOVERLAP_COMMAND_BUFFERS=1) the host no longer sees every call:
+// a device that replays a recorded graph runs its calls without the handler, and XLA decides per
+// device when to warm up and re-record (a buffer address of that device changed, or compiling
+// any new executable in the process evicted every graph: docs/ordering-and-stream-memops.md,
+// section 2). Two ranks' host call numbers then count different things, and comparing them
+// would report orders that do not differ (the call given up on every rank, NaN). So the first
+// call of a workspace that is captured ends the comparison for good (CallId::captured): from
+// then on the devices' epochs alone pair the calls, as they do for groups that span processes,
+// and a call given up raises the abort word of the epoch its device counted (kernels/comm.h:
+// launch_finish_poison), not of its host number.
+//
 // Host-only, no CUDA: used under Workspace::seq_mu, and compiled alone by the CPU test
 // tests/test_call_order.py.
 #pragma once
@@ -27,6 +38,7 @@ namespace jaxoverlap {
 struct CallId {
   int64_t run = 0;  // XLA's RunId: one per launch of a program, the same on all its devices
   int64_t tag = 0;  // the custom call's place in its program, the same on every device
+  bool captured = false;  // XLA is capturing it into a command buffer (CUDA graph)
 };
 
 class CallOrder {
@@ -38,8 +50,15 @@ class CallOrder {
   // Rank `rank` of `n` issues its next call, identified by `id`. Returns false if an earlier
   // rank issued a different logical call under the same number; then `*why` describes both --
   // once per call number (empty for the ranks that find the same difference later).
+  // Always true once a call of the workspace was captured.
   bool issue(int rank, int n, CallId id, std::string* why) {
     why->clear();
+    if (id.captured && comparing_) {
+      comparing_ = false;
+      open_.clear();
+      for (std::vector<Seen>& s : seen_) s.clear();
+    }
+    if (!comparing_) return true;
     const Key key{id.run, id.tag, occurrence(rank, id)};
     const uint64_t number = ++calls_[rank];
     auto it = open_.find(number);
@@ -114,6 +133,7 @@ class CallOrder {
     return buf;
   }
 
+  bool comparing_ = true;  // false once a call was captured: the hosts' numbers no longer pair
   uint64_t calls_[kRanks] = {};
   uint64_t clock_ = 0;
   std::vector<Seen> seen_[kRanks];

@@ -13,7 +13,8 @@ refusal of its next fused call, while plain XLA work still runs (XPROC_CASE: whi
 tag; default the reduce-scatter). MODE ``stall_many``: the same
 with 16 fused calls launched ahead: all given up within a few timeouts, not one each. MODE
 ``killed``: as ``stall``, but process 1 kills itself (SIGKILL) after compiling. MODE
-``train``: the training path's fused calls (tests/gpu/xproc_training.py). MODE ``absent``:
+``train``: the training path's fused calls (tests/gpu/xproc_training.py). MODE ``rerecord``: command
+buffers re-recorded in process 1 only (tests/gpu/xproc_rerecord.py). MODE ``absent``:
 process 1 never lowers the op; process 0's lowering must fail naming process 1
 (JAXOVERLAP_SETUP_TIMEOUT_S).
 """
@@ -207,12 +208,18 @@ def main(process, nproc, port, gpu, mode):
         xproc_training.run(mesh, arr)
     elif mode == "graphs":
         run_graphs(mesh, arr, process, dump)
+    elif mode == "rerecord":
+        from tests.gpu import xproc_rerecord
+
+        xproc_rerecord.run(mesh, arr, process)
     else:  # ops: each fused op (forward), every case reported (XPROC_ONLY: these, in this order).
         by_tag = {c[0]: c for c in cases}
         only = [t for t in os.environ.get("XPROC_ONLY", "").split(",") if t]
         for tag in only or by_tag:
-            check(*by_tag[tag])
-        report_gemm_search(gpu)
+            if tag in by_tag:
+                check(*by_tag[tag])
+        if not only or "gemm_search" in only:
+            report_gemm_search(gpu)
     # Process 0 hosts the coordinator: its exit would stop the others before they report.
     from jax._src import distributed
 
