@@ -2,4 +2,4 @@
 // w column-major (w^T stored [N, K]), tiles 128x256, clusters 1x1.
 #include "kernels/tile_rs.cuh"
 
-JAXOVERLAP_TILE_ENTRY(e2_wcol, true, 256, 1, 1)
+JAXOVERLAP_TILE_ENTRY(e2_wcol, true, 256, 1, 1, false)
