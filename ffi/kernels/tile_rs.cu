@@ -29,6 +29,8 @@ JAXOVERLAP_TILE_DECLARE(e3_wrow)
 JAXOVERLAP_TILE_DECLARE(e3_wcol)
 JAXOVERLAP_TILE_DECLARE(e4_wrow)
 JAXOVERLAP_TILE_DECLARE(e4_wcol)
+JAXOVERLAP_TILE_DECLARE(e5_wrow)
+JAXOVERLAP_TILE_DECLARE(e5_wcol)
 #undef JAXOVERLAP_TILE_DECLARE
 
 namespace {
@@ -61,6 +63,9 @@ const Entry kMenu[] = {
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
     // other's MMA; cuBLAS's kernel on many short-K shapes is a 128 x 128 ping-pong one.
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e4),
+    // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
+    // tiles are ping-pong 128 x N, cluster 2x1).
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e5),
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
 constexpr int kMenuSize = sizeof(kMenu) / sizeof(kMenu[0]);

@@ -60,12 +60,26 @@ class RingClearPipeline : public cutlass::PipelineEmpty {
 template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
 class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
-  // The ping-pong kernel claims its first tiles before the cluster barrier: a remote ring might
-  // not be cleared yet. Clusters of one CTA only (every claim is then local).
-  static_assert(!kPingpong || kClusterM * kClusterN == 1, "ping-pong: clusters of one CTA");
+  using Tile = typename Base::WorkTileInfo;
+  // The ping-pong kernel asks for its first tile before the cluster barrier, when a cluster
+  // peer's ring may not be cleared yet (the claimer writes into it): with clusters of more than
+  // one CTA its first tile is claimed lazily, at its first is_valid(), which every role asks
+  // after the barrier before it uses the tile.
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
+  struct LazyTile : Tile {
+    ClaimScheduler* first = nullptr;  // set: not claimed yet
+    CUTLASS_DEVICE bool is_valid() {
+      if (first) {
+        ClaimScheduler* s = first;
+        first = nullptr;
+        static_cast<Tile&>(*this) = s->claim(s->k_);
+      }
+      return this->is_valid_tile;
+    }
+  };
 
  public:
-  using WorkTileInfo = typename Base::WorkTileInfo;
+  using WorkTileInfo = std::conditional_t<kLazyFirst, LazyTile, Tile>;
   using Pipeline = std::conditional_t<kPingpong, RingClearPipeline, cutlass::PipelineEmpty>;
   struct Arguments : Base::Arguments {
     Geometry g{};
@@ -93,13 +107,22 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // once before asking.
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return claim(k_);
+    WorkTileInfo w{};
+    if constexpr (kLazyFirst)
+      w.first = this;
+    else
+      w = claim(k_);
+    return w;
   }
   // The cooperative kernel's interface: every role takes every tile.
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(claim(++k_), true); }
   // The ping-pong kernel's: the producer advances by one, each consumer warpgroup by two.
   CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { k_ += count; }
-  CUTLASS_DEVICE WorkTileInfo get_current_work() { return claim(k_); }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() {
+    WorkTileInfo w{};
+    static_cast<Tile&>(w) = claim(k_);
+    return w;
+  }
   template <class Pipeline, class PipelineState>
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
     return fetch_next_work(w);
@@ -117,7 +140,19 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // (ping-pong: the next two); a later tile of a foreign tile may be an own tile, never the
   // other way round, so no claimed foreign tile waits behind an own tile's wait (the ping-pong
   // kernel runs its warpgroups' epilogues in tile order).
-  CUTLASS_DEVICE WorkTileInfo claim(uint32_t k) {
+  // Writes tile t as the CTA's k-th into every CTA's ring of the cluster.
+  CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
+    const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
+    const uint32_t local = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
+    for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
+      asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
+                   : "memory");
+    }
+  }
+
+  CUTLASS_DEVICE Tile claim(uint32_t k) {
     uint64_t* slot = claim_ring() + k % kRing;
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
@@ -132,14 +167,10 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
         }
         t = next_;
         next_ = (int32_t)atomicAdd(counter, 1u);
-        const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
-        const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
-        for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
-          uint32_t remote;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
-          asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
-                       : "memory");
-        }
+        publish(k, t);
+        // Ping-pong: the claimer stops at the first tile past the end, k; the other warpgroup
+        // asks for k + 1 next: none either.
+        if (kPingpong && t >= g_.total) publish(k + 1, t);
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
@@ -152,7 +183,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       } while ((uint32_t)(v >> 32) != k + 1);
       t = (int32_t)(uint32_t)v;
     }
-    const WorkTileInfo w = decode(t);
+    const Tile w = decode(t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
     return w;
   }
@@ -162,7 +193,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // slabs w and w + 4) into L2 when it learns the tile, a mainloop before its epilogue needs them (L2 is coherent with the peers' NVLink writes: data that lands later
   // updates the lines). Line prefetches, not bulk ones: those queue in the TMA unit ahead of the
   // mainloop's loads (measured: 11-18 % slower GEMMs).
-  CUTLASS_DEVICE void prefetch_peer_slabs(WorkTileInfo w, int lane) const {
+  CUTLASS_DEVICE void prefetch_peer_slabs(Tile w, int lane) const {
     if (!g_.prefetch) return;
     const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
     const int32_t j = (int32_t)(row / g_.m);
@@ -188,8 +219,8 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
   // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
   // block, bands of `swizzle` cluster rows, column-major inside a band.
-  CUTLASS_DEVICE WorkTileInfo decode(int32_t t) const {
-    if (t >= g_.total) return WorkTileInfo::invalid_work_tile();
+  CUTLASS_DEVICE Tile decode(int32_t t) const {
+    if (t >= g_.total) return Tile::invalid_work_tile();
     const int32_t per_block = g_.cluster_rows * g_.cluster_cols;
     const int32_t vb = t / per_block, i = t - vb * per_block;
     const int32_t band = i / (g_.swizzle * g_.cluster_cols);
