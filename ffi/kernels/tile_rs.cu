@@ -29,8 +29,6 @@ JAXOVERLAP_TILE_DECLARE(e3_wrow)
 JAXOVERLAP_TILE_DECLARE(e3_wcol)
 JAXOVERLAP_TILE_DECLARE(e4_wrow)
 JAXOVERLAP_TILE_DECLARE(e4_wcol)
-JAXOVERLAP_TILE_DECLARE(e5_wrow)
-JAXOVERLAP_TILE_DECLARE(e5_wcol)
 #undef JAXOVERLAP_TILE_DECLARE
 
 namespace {
@@ -52,20 +50,18 @@ struct Entry {
 const Entry kMenu[] = {
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
     JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0),
-    // Half the columns: twice the tiles, a finer last wave (short-M or narrow shapes).
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c2x1", e1),
     // No cluster: every SM runs a CTA (2x1 clusters leave a GPC's odd SM idle) and tiles are
     // claimed one by one.
-    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e2),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e1),
     // x's tile multicast along N: the footprint of entry 0 transposed (wide N, long K).
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e3),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e2),
     // Ping-pong: each consumer warpgroup runs its own 128 x 128 tile, and one's epilogue (the
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
     // other's MMA; cuBLAS's kernel on many short-K shapes is a 128 x 128 ping-pong one.
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e4),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3),
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
     // tiles are ping-pong 128 x N, cluster 2x1).
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e5),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4),
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
 constexpr int kMenuSize = sizeof(kMenu) / sizeof(kMenu[0]);

@@ -567,6 +567,7 @@ int main(int argc, char** argv) {
                      tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + E + e].ms,
                      tile_rs_entry_name(e), t[1 + 2 * E + e].ms);
       std::fprintf(jf, "}}");
+      std::fflush(jf);  // the rows so far survive a run cut short
       first_row = false;
     }
   }

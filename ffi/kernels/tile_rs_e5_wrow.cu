@@ -1,5 +1,0 @@
-// Menu entry 5 of the tile-fused GEMM + reduce-scatter (tile_rs.cu lists the menu): bfloat16,
-// w row-major [K, N], ping-pong, tiles 128x128 per warpgroup, clusters 2x1.
-#include "kernels/tile_rs.cuh"
-
-JAXOVERLAP_TILE_ENTRY(e5_wrow, false, 128, 2, 1, true)
