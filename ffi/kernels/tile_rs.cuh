@@ -1,7 +1,7 @@
 // The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
-// warp-specialised cooperative persistent kernel (TMA mainloop, 128 x kTileN x 64 tiles, clusters
-// of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two parts of our
-// own plugged into its interfaces:
+// warp-specialised persistent kernel, cooperative or ping-pong (TMA mainloop, 128 x kTileN x 64
+// tiles, clusters of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two
+// parts of our own plugged into its interfaces:
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
