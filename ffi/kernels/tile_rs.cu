@@ -13,9 +13,11 @@
 namespace jaxoverlap {
 
 using TilePreload = cudaError_t (*)();
+using TileCheck = cudaError_t (*)(const TileRsArgs&);
 using TileLaunch = cudaError_t (*)(const TileRsArgs&, cudaStream_t);
 #define JAXOVERLAP_TILE_DECLARE(NAME)                  \
   cudaError_t tile_rs_preload_##NAME();                \
+  cudaError_t tile_rs_check_##NAME(const TileRsArgs&); \
   cudaError_t tile_rs_launch_##NAME(const TileRsArgs&, cudaStream_t);
 JAXOVERLAP_TILE_DECLARE(e0_wrow)
 JAXOVERLAP_TILE_DECLARE(e0_wcol)
@@ -31,28 +33,35 @@ JAXOVERLAP_TILE_DECLARE(e4_wcol)
 
 namespace {
 
-// The menu: every entry is CUTLASS's cooperative persistent kernel with our scheduler and
-// epilogue (tile_rs.cuh), 128-row tiles; they differ in the tile's columns and the cluster.
-// docs/tile-schedule.md says why each is there (the one-GPU table of every entry per shape).
+// The menu: every entry is a CUTLASS persistent kernel (cooperative or ping-pong) with our
+// scheduler and epilogue (tile_rs.cuh), 128-row tiles; they differ in the schedule, the tile's
+// columns and the cluster. docs/tile-schedule.md says why each is there (the one-GPU table of
+// every entry per shape).
 struct Entry {
   const char* name;
   TilePreload preload[2];  // [w_colmajor]
+  TileCheck check[2];
   TileLaunch launch[2];
 };
 #define JAXOVERLAP_TILE_MENU_ENTRY(NAME, E) \
   {NAME, {tile_rs_preload_##E##_wrow, tile_rs_preload_##E##_wcol}, \
+   {tile_rs_check_##E##_wrow, tile_rs_check_##E##_wcol}, \
    {tile_rs_launch_##E##_wrow, tile_rs_launch_##E##_wcol}}
 const Entry kMenu[] = {
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
     JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0),
-    // Half the columns: twice the tiles, a finer last wave (short-M or narrow shapes).
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c2x1", e1),
     // No cluster: every SM runs a CTA (2x1 clusters leave a GPC's odd SM idle) and tiles are
     // claimed one by one.
-    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e2),
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x1", e3),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e1),
     // x's tile multicast along N: the footprint of entry 0 transposed (wide N, long K).
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e4),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e2),
+    // Ping-pong: each consumer warpgroup runs its own 128 x 128 tile, and one's epilogue (the
+    // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
+    // other's MMA; cuBLAS's kernel on many short-K shapes is a 128 x 128 ping-pong one.
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3),
+    // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
+    // tiles are ping-pong 128 x N, cluster 2x1).
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4),
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
 constexpr int kMenuSize = sizeof(kMenu) / sizeof(kMenu[0]);
@@ -105,6 +114,12 @@ cudaError_t preload_tile_entry(int entry, bool w_colmajor) {
   if (cudaError_t e = kMenu[entry].preload[w_colmajor ? 1 : 0]()) return e;
   g_loaded[device] |= bit;
   return cudaSuccess;
+}
+
+cudaError_t check_tile_entry(const TileRsArgs& a) {
+  if (a.dtype != DType::kBF16 || a.entry < 0 || a.entry >= kMenuSize) return cudaErrorInvalidValue;
+  if (cudaError_t e = preload_tile_entry(a.entry, a.w_colmajor != 0)) return e;
+  return kMenu[a.entry].check[a.w_colmajor ? 1 : 0](a);
 }
 
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream) {

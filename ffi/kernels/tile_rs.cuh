@@ -1,7 +1,7 @@
 // The tile-fused GEMM + reduce-scatter (protocol in tile_rs.h): CUTLASS 3.x's Hopper
-// warp-specialised cooperative persistent kernel (TMA mainloop, 128 x kTileN x 64 tiles, clusters
-// of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two parts of our
-// own plugged into its interfaces:
+// warp-specialised persistent kernel, cooperative or ping-pong (TMA mainloop, 128 x kTileN x 64
+// tiles, clusters of kClusterM x kClusterN CTAs: one menu entry per choice, tile_rs.cu) with two
+// parts of our own plugged into its interfaces:
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
@@ -71,15 +71,28 @@ struct EpilogueArgs {
   ErrorRecord* err;
 };
 
+// A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
+// at an offset.
+template <class Acc>
+struct SlabAcc {
+  Acc& acc;
+  int off;
+  CUTLASS_DEVICE float operator()(int i) const { return acc(i + off); }
+};
+
 // The epilogue, in the operator() form that CUTLASS's Sm90TmaWarpSpecializedAdapter calls for
-// each tile with the accumulators of the calling thread (one of 256 consumer threads). Thread t
+// each tile with the accumulators of the calling thread. Cooperative kernel: thread t (of 256)
 // holds, for the 64 x kTileN accumulator block of warpgroup t / 128 (SM90 64xNx16 f32 layout),
 // value i = v0 + 2 v1 + 4 v2 at row 16 (t / 32) + (t % 32) / 4 + 8 v1 of the tile and column
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
-template <class Element, int kTileN>
+// Ping-pong kernel (kPingpong): one warpgroup holds the whole 128-row tile, thread t (of 128)
+// the same for rows 64 h + ..., at i + h kTileN / 2: warp w owns slabs w and w + 4.
+template <class Element, int kTileN, bool kPingpong>
 class TileEpilogue {
   static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
+  static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
+  static constexpr int kThreads = kPingpong ? 128 : 256;  // the epilogue's threads per tile
 
  public:
   using ElementOutput = Element;
@@ -93,9 +106,10 @@ class TileEpilogue {
   using DispatchPolicy = EpilogueSchedule;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
+  static constexpr bool kPerWarpgroupTiles = kPingpong;
 
   struct SharedStorage {
-    alignas(128) float slab[kTileSlabs][kSlabWords];
+    alignas(128) float slab[kTileSlabs][kSlabWords];  // one per consumer warp
   };
   struct Arguments {
     EpilogueArgs a;
@@ -121,13 +135,15 @@ class TileEpilogue {
     return true;
   }
 
-  // CUTLASS's kernel constructs the epilogue once with every thread before it initialises its
-  // pipelines and arrives at the cluster barrier (and once more in the consumer warps only):
-  // the producer threads of that first construction clear the scheduler's ring, fenced before
-  // the arrival, so no peer CTA's claim can be overwritten by the clearing.
+  // CUTLASS's cooperative kernel constructs the epilogue once with every thread before it
+  // initialises its pipelines and arrives at the cluster barrier (and once more in the consumer
+  // warps only): the producer threads of that first construction clear the scheduler's ring,
+  // fenced before the arrival, so no peer CTA's claim can be overwritten by the clearing. (The
+  // ping-pong kernel constructs it after the arrival: its scheduler pipeline clears the ring,
+  // tile_sched.cuh.)
   CUTLASS_HOST_DEVICE explicit TileEpilogue(Params const& p) : p_(&p.a) {
 #if defined(__CUDA_ARCH__)
-    if (threadIdx.x < kRing) {
+    if (!kPingpong && threadIdx.x < kRing) {
       claim_ring()[threadIdx.x] = 0;
       asm volatile("fence.acq_rel.cluster;" ::: "memory");
     }
@@ -139,91 +155,111 @@ class TileEpilogue {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk,
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma,
                                  ResidueMNK, int thread_idx, char* smem) {
-    static_assert(cute::size(FrgLayout{}) == kTileM * kTileN / 256, "unexpected accumulators");
+    static_assert(cute::size(FrgLayout{}) == kTileM * kTileN / kThreads, "unexpected accumulators");
     auto& acc = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(accumulators);
     const EpilogueArgs& a = *p_;
-    const int s = thread_idx / 32, lane = thread_idx % 32;
+    const int w = thread_idx / 32, lane = thread_idx % 32;
     Flags* local = a.peers.flags[a.peers.rank];
     if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
     flush();
-    const uint32_t k = k_++;  // this CTA's k-th tile (every consumer thread sees every tile)
+    // This CTA's k-th tile (ping-pong: warpgroup g runs tiles g, g + 2, ...).
+    const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
+    ++k_;
+    last_k_ = k;
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
-    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
-    if (a.mode == 2 || a.mode == 5) {
-      store_slab(acc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
-      return;
-    }
+    // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
+    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[kPingpong ? threadIdx.x / 32 - 4 : w];
     const int n = a.peers.n, r = a.peers.rank;
     const int j = (int)(row / a.m);
-    const int64_t brow = row - j * a.m + 16 * s;  // the slab's first row in its block
-    // The slab's first flag (16 rows x kFlagCols columns each) and how many it covers.
-    const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
-    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
-    if (j != r) {
-      const int slot = stage_slot(r, j, n);
-      if (a.mode == 0 && !(freed_ & (1u << j))) {
-        // Double-buffered staging: this call writes the parity that call e - 2 used.
-        if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
-          failed_ = true;
-        freed_ |= 1u << j;
+    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < kSlabsPerWarp; ++h) {
+      const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
+      const int s = w + 4 * h;  // the slab (16 rows) of the tile
+      if (a.mode == 2 || a.mode == 5) {
+        store_slab(sacc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
+        continue;
       }
-      char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
-      char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
-                              : dst_slot + parity + (brow * a.N + col0) * 2;
-      store_slab(acc, dst, sm, lane, col0);
-      if (a.mode == 0 && r != a.stall_rank) {
-        pending_ = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
-        pending_n_ = nflags;
-        // The release waits for the slab's stores to land: a tile late when the warp's next
-        // tile is foreign (its MMA runs meanwhile), at once when the next is own (it waits for
-        // its peers anyway) or there is none.
-        if (!a.legacy_publish && next_is_own_or_none(k)) flush();
+      const int64_t brow = row - j * a.m + 16 * s;  // the slab's first row in its block
+      // The slab's first flag (16 rows x kFlagCols columns each); nflags: how many it covers.
+      const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
+      if (j != r) {
+        const int slot = stage_slot(r, j, n);
+        if (a.mode == 0 && !(freed_ & (1u << j))) {
+          // Double-buffered staging: this call writes the parity that call e - 2 used.
+          if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
+            failed_ = true;
+          freed_ |= 1u << j;
+        }
+        char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
+        char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
+                                : dst_slot + parity + (brow * a.N + col0) * 2;
+        store_slab(sacc, dst, sm, lane, col0);
+        if (a.mode == 0 && r != a.stall_rank) {
+          pending_[h] = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
+          pending_n_ = nflags;
+        }
+        continue;
       }
-      return;
+      // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
+      for (int t = 1; t < n; ++t) {
+        const int src = (r + t) % n;
+        char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+        for (int f = 0; f < nflags && a.mode == 0 && !failed_; ++f) {
+          const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+          if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+            failed_ = true;
+        }
+      }
+      const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
+      const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
+      store_sum_slab(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
+                     col0);
     }
-    // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
-    for (int t = 1; t < n; ++t) {
-      const int src = (r + t) % n;
-      char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-      for (int f = 0; f < nflags && a.mode == 0 && !failed_; ++f) {
-        const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
-        if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
-          failed_ = true;
-      }
-    }
-    const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
-    const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
-    store_sum_slab(acc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                   col0);
+    // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
+    // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
+    // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
+    if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
+  }
+
+  // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
+  // warpgroup's next tile is known to be foreign (its MMA then hides the stores' landing).
+  // (legacy_publish adds only its full fence here.)
+  CUTLASS_DEVICE void end_tile() {
+    if (kPingpong && !next_is_foreign(last_k_ + 2)) flush();
   }
 
   // Publishes the flags of the warp's last foreign slab. __syncwarp orders the other lanes'
   // stores before lane 0's release, which is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
-    if (!pending_) return;
+    if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
-      for (int f = 0; f < pending_n_; ++f) st_release_sys(pending_ + f, e_);
+      for (int h = 0; h < kSlabsPerWarp; ++h)
+        for (int f = 0; pending_[h] && f < pending_n_; ++f) st_release_sys(pending_[h] + f, e_);
     }
-    pending_ = nullptr;
+    for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
   }
 
  private:
-  // Whether the CTA's tile k + 1 is known and is an own tile or none (the claim ring's entry,
-  // written by the claimer once it took that tile; unknown yet: false).
-  CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const {
+  // The CTA's tile k as far as the claim ring knows it: -1 unknown yet (the claimer has not
+  // taken it), 1 an own tile or none, 0 foreign.
+  CUTLASS_DEVICE int own_or_none(uint32_t k) const {
     uint64_t v;
     asm volatile("ld.volatile.shared.b64 %0, [%1];"
                  : "=l"(v)
-                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + (k + 1) % kRing))
+                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing))
                  : "memory");
-    return (uint32_t)(v >> 32) == k + 2 && (int32_t)(uint32_t)v >= p_->own_first;
+    if ((uint32_t)(v >> 32) != k + 1) return -1;
+    return (int32_t)(uint32_t)v >= p_->own_first ? 1 : 0;
   }
+  CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const { return own_or_none(k) == 1; }
+  CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
   // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
@@ -338,8 +374,9 @@ class TileEpilogue {
   // copied per thread (an array indexed by the peer would go to local memory).
   const EpilogueArgs* p_;
   uint32_t e_ = 0;             // this call's epoch target
-  uint32_t k_ = 0;             // tiles of this CTA so far
-  uint32_t* pending_ = nullptr;  // flags of the last foreign slab, published at the next tile
+  uint32_t k_ = 0;             // tiles of this thread so far
+  uint32_t last_k_ = 0;        // the CTA's index of this thread's last tile
+  uint32_t* pending_[kSlabsPerWarp] = {};  // flags of the last foreign slabs, published later
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
@@ -355,21 +392,28 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
   CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
                                      typename Base::TensorStorage& s)
       : Base(p, s) {}
+  // Cooperative kernel: once, after the last tile. Ping-pong: after every tile.
   CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
                                  typename Base::StorePipeline, typename Base::StorePipelineState ss) {
-    this->flush();
+    if constexpr (Op::kPerWarpgroupTiles)
+      this->end_tile();
+    else
+      this->flush();
     return cute::make_tuple(ls, ss);
   }
 };
 
-// One menu entry: tiles 128 x kTileN (256 or 128; two consumer warpgroups of 64 rows), clusters
-// of kClusterM x kClusterN CTAs (along M they share w's tile, along N x's).
-template <class Element, bool kWColMajor, int kTileN, int kClusterM, int kClusterN>
+// One menu entry: tiles 128 x kTileN (256 or 128), clusters of kClusterM x kClusterN CTAs (along
+// M they share w's tile, along N x's). Cooperative: the two consumer warpgroups share each tile
+// (64 rows each). Ping-pong (kPingpong): each warpgroup runs a whole tile, and one's epilogue
+// (the stores to the peers, the adds of their slabs) runs under the other's MMA.
+template <class Element, bool kWColMajor, int kTileN, int kClusterM, int kClusterN,
+          bool kPingpong = false>
 struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Op = TileEpilogue<Element, kTileN>;
+  using Op = TileEpilogue<Element, kTileN, kPingpong>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -378,10 +422,11 @@ struct TileKernel {
       Element, LayoutB, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                           ClaimedTiles>;
+      std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+      std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>;
   static_assert(Mainloop::DispatchPolicy::Stages < kRing, "the claim ring must outlast the pipeline");
 
   static cudaError_t preload() {
@@ -392,7 +437,7 @@ struct TileKernel {
                                 Kernel::SharedStorageSize);
   }
 
-  static cudaError_t launch(const TileRsArgs& a, cudaStream_t stream) {
+  static typename Kernel::Arguments arguments(const TileRsArgs& a) {
     const int n = a.peers.n;
     const int64_t rows = n * a.m;
     using StrideA = typename Kernel::StrideA;
@@ -438,20 +483,48 @@ struct TileKernel {
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
-    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kClusterM;
-    cluster.val.clusterDim.y = kClusterN;
-    cluster.val.clusterDim.z = 1;
+    return args;
+  }
+
+  // The launch configuration of `params` (cluster attribute in *cluster).
+  static cudaLaunchConfig_t config(typename Kernel::Params const& params, cudaStream_t stream,
+                                   cudaLaunchAttribute* cluster) {
+    cluster->id = cudaLaunchAttributeClusterDimension;
+    cluster->val.clusterDim.x = kClusterM;
+    cluster->val.clusterDim.y = kClusterN;
+    cluster->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = Kernel::get_grid_shape(params);
     cfg.blockDim = Kernel::get_block_shape();
     cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
     cfg.stream = stream;
-    cfg.attrs = &cluster;
+    cfg.attrs = cluster;
     cfg.numAttrs = 1;
+    return cfg;
+  }
+
+  // Whether this entry can launch the problem: CUTLASS's can_implement, and a cluster of it fits
+  // on the GPU (the kernel must be loaded: preload). cudaSuccess or why not.
+  static cudaError_t check(const TileRsArgs& a) {
+    typename Kernel::Arguments args = arguments(a);
+    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
+    if (kClusterM * kClusterN == 1) return cudaSuccess;
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    cudaLaunchAttribute cluster;
+    cudaLaunchConfig_t cfg = config(params, nullptr, &cluster);
+    int clusters = 0;
+    if (cudaError_t e =
+            cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg))
+      return e;
+    return clusters > 0 ? cudaSuccess : cudaErrorInvalidClusterSize;
+  }
+
+  static cudaError_t launch(const TileRsArgs& a, cudaStream_t stream) {
+    typename Kernel::Arguments args = arguments(a);
+    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    cudaLaunchAttribute cluster;
+    cudaLaunchConfig_t cfg = config(params, stream, &cluster);
     return cudaLaunchKernelEx(&cfg, cutlass::device_kernel<Kernel>, params);
   }
 };
@@ -461,11 +534,12 @@ struct TileKernel {
 
 // One instantiation file per menu entry and w layout (tile_rs_e<k>_<wrow|wcol>.cu): the entry's
 // preload and launch, declared in tile_rs.cu's menu.
-#define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N)                          \
+#define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG)                \
   namespace jaxoverlap {                                                                         \
   using TileKernel_##NAME =                                                                      \
-      tile::TileKernel<cutlass::bfloat16_t, WCOL, TILE_N, CLUSTER_M, CLUSTER_N>;                 \
+      tile::TileKernel<cutlass::bfloat16_t, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG>;       \
   cudaError_t tile_rs_preload_##NAME() { return TileKernel_##NAME::preload(); }                  \
+  cudaError_t tile_rs_check_##NAME(const TileRsArgs& a) { return TileKernel_##NAME::check(a); } \
   cudaError_t tile_rs_launch_##NAME(const TileRsArgs& a, cudaStream_t stream) {                  \
     return TileKernel_##NAME::launch(a, stream);                                                 \
   }                                                                                              \

@@ -21,8 +21,9 @@
 
 namespace jaxoverlap {
 
-constexpr int kTileM = 128;    // CTA tile rows (two consumer warpgroups of 64); the columns
-                               // (256 or 128) and the cluster are the menu entry's (tile_rs.cu)
+constexpr int kTileM = 128;    // tile rows (cooperative: two consumer warpgroups of 64; ping-pong:
+                               // one warpgroup's); the columns (256 or 128), the schedule and the
+                               // cluster are the menu entry's (tile_rs.cu)
 constexpr int kTileSlabs = 8;  // 16-row slabs of a tile: one per consumer warp
 constexpr int kFlagCols = 128; // columns per flag: a 16 x 128 piece of a slab, whatever the entry
 constexpr int64_t kTileRowAlign = 256;  // a rank's rows: a multiple of this (every entry's cluster)
@@ -75,6 +76,9 @@ const char* tile_rs_entry_name(int entry);  // e.g. "128x256c2x1"
 // Loads one entry's kernel on the current device and sets its shared-memory limit (outside any
 // capture; DESIGN.md decision 5: before a kernel of ours can spin). Idempotent, thread-safe.
 cudaError_t preload_tile_entry(int entry, bool w_colmajor);
+// Whether entry a.entry can launch the problem of `a` (CUTLASS's can_implement; its cluster fits
+// on the GPU): cudaSuccess or why not. Preloads the entry.
+cudaError_t check_tile_entry(const TileRsArgs& a);
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream);
 
 // Advances a workspace's epoch by one on `stream` (the claim counters alternate per call): what

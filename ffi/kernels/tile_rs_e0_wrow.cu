@@ -2,4 +2,4 @@
 // w row-major [K, N], tiles 128x256, clusters 2x1.
 #include "kernels/tile_rs.cuh"
 
-JAXOVERLAP_TILE_ENTRY(e0_wrow, false, 256, 2, 1)
+JAXOVERLAP_TILE_ENTRY(e0_wrow, false, 256, 2, 1, false)

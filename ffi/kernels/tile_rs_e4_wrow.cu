@@ -1,5 +1,5 @@
 // Menu entry 4 of the tile-fused GEMM + reduce-scatter (tile_rs.cu lists the menu): bfloat16,
-// w row-major [K, N], tiles 128x128, clusters 1x2.
+// w row-major [K, N], ping-pong, tiles 128x128 per warpgroup, clusters 2x1.
 #include "kernels/tile_rs.cuh"
 
-JAXOVERLAP_TILE_ENTRY(e4_wrow, false, 128, 1, 2)
+JAXOVERLAP_TILE_ENTRY(e4_wrow, false, 128, 2, 1, true)

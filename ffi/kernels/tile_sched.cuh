@@ -4,7 +4,8 @@
 // mainloop producer claims and broadcasts each tile to both CTAs' shared-memory rings. A CTA
 // that never starts (its SMs busy with other kernels) holds no tile, so every own tile's wait is
 // for a foreign tile that a running CTA computes without waiting: no deadlock whatever the
-// residency. Device code only.
+// residency. The cooperative kernel's two consumer warpgroups share each tile; the ping-pong
+// kernel's take turns (warpgroup w runs the CTA's tiles w, w + 2, ...). Device code only.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -37,14 +38,49 @@ __device__ __forceinline__ uint64_t* claim_ring() {
   return ring;
 }
 
-struct ClaimedTiles {};  // the scheduler tag (TileSchedulerSelector below)
+// The scheduler tags (TileSchedulerSelector below): the cooperative and the ping-pong kernel.
+struct ClaimedTiles {};
+struct ClaimedTilesPingpong {};
 
-template <int kTileN, int kClusterM, int kClusterN>
+// The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
+// constructs the epilogue after arriving there: the ring is cleared here instead, by the
+// scheduler pipeline's constructor (an empty pipeline otherwise), which every thread runs before
+// the arrival (a __syncthreads for clusters of one CTA), fenced like the epilogue's clearing.
+class RingClearPipeline : public cutlass::PipelineEmpty {
+ public:
+  CUTLASS_DEVICE RingClearPipeline(SharedStorage&& s, Params const& p)
+      : cutlass::PipelineEmpty(static_cast<SharedStorage&&>(s), p) {
+    if (threadIdx.x < kRing) {
+      claim_ring()[threadIdx.x] = 0;
+      asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    }
+  }
+};
+
+template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
 class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using Tile = typename Base::WorkTileInfo;
+  // The ping-pong kernel asks for its first tile before the cluster barrier, when a cluster
+  // peer's ring may not be cleared yet (the claimer writes into it): with clusters of more than
+  // one CTA its first tile is claimed lazily, at its first is_valid(), which every role asks
+  // after the barrier before it uses the tile.
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
+  struct LazyTile : Tile {
+    ClaimScheduler* first = nullptr;  // set: not claimed yet
+    CUTLASS_DEVICE bool is_valid() {
+      if (first) {
+        ClaimScheduler* s = first;
+        first = nullptr;
+        static_cast<Tile&>(*this) = s->claim(s->k_);
+      }
+      return this->is_valid_tile;
+    }
+  };
 
  public:
-  using WorkTileInfo = typename Base::WorkTileInfo;
+  using WorkTileInfo = std::conditional_t<kLazyFirst, LazyTile, Tile>;
+  using Pipeline = std::conditional_t<kPingpong, RingClearPipeline, cutlass::PipelineEmpty>;
   struct Arguments : Base::Arguments {
     Geometry g{};
   };
@@ -67,12 +103,26 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
   CUTLASS_DEVICE explicit ClaimScheduler(Params const& p) : Base(p), g_(p.g) {}
 
+  // Tile k_ of the CTA: 0 at first, 1 for the ping-pong kernel's second warpgroup, which advances
+  // once before asking.
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    k_ = 0;
-    return claim(0);
+    WorkTileInfo w{};
+    if constexpr (kLazyFirst)
+      w.first = this;
+    else
+      w = claim(k_);
+    return w;
   }
+  // The cooperative kernel's interface: every role takes every tile.
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(claim(++k_), true); }
+  // The ping-pong kernel's: the producer advances by one, each consumer warpgroup by two.
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { k_ += count; }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() {
+    WorkTileInfo w{};
+    static_cast<Tile&>(w) = claim(k_);
+    return w;
+  }
   template <class Pipeline, class PipelineState>
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
     return fetch_next_work(w);
@@ -84,14 +134,29 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // loaded) claims tiles from the counter one ahead -- the atomic for tile k + 1 is in flight
   // while tile k loads -- and writes tile k into every CTA's ring of the cluster; everyone else waits for the
   // ring entry. Entry k is overwritten by tile k + kRing only when every reader is past tile k:
-  // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them. A CTA
-  // holds at most its current tile and the next; the next of a foreign tile may be an own tile,
-  // never the other way round, so no claimed foreign tile waits behind an own tile's wait.
-  CUTLASS_DEVICE WorkTileInfo claim(uint32_t k) {
+  // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them (ping-pong:
+  // a warpgroup reads entry k before its MMA of tile k, which the producer's loads of later
+  // tiles wait for once the pipeline is full). A CTA holds at most its current tile and the next
+  // (ping-pong: the next two); a later tile of a foreign tile may be an own tile, never the
+  // other way round, so no claimed foreign tile waits behind an own tile's wait (the ping-pong
+  // kernel runs its warpgroups' epilogues in tile order).
+  // Writes tile t as the CTA's k-th into every CTA's ring of the cluster.
+  CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
+    const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
+    const uint32_t local = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
+    for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
+      asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
+                   : "memory");
+    }
+  }
+
+  CUTLASS_DEVICE Tile claim(uint32_t k) {
     uint64_t* slot = claim_ring() + k % kRing;
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
-    if (k == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
+    if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
     int32_t t = 0;
     if (producer && cute::block_rank_in_cluster() == 0) {
       if (lane == 0) {
@@ -102,14 +167,10 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
         }
         t = next_;
         next_ = (int32_t)atomicAdd(counter, 1u);
-        const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
-        const uint32_t local = (uint32_t)__cvta_generic_to_shared(slot);
-        for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
-          uint32_t remote;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(c));
-          asm volatile("st.relaxed.cluster.shared::cluster.b64 [%0], %1;" ::"r"(remote), "l"(v)
-                       : "memory");
-        }
+        publish(k, t);
+        // Ping-pong: the claimer stops at the first tile past the end, k; the other warpgroup
+        // asks for k + 1 next: none either.
+        if (kPingpong && t >= g_.total) publish(k + 1, t);
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
@@ -122,39 +183,44 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       } while ((uint32_t)(v >> 32) != k + 1);
       t = (int32_t)(uint32_t)v;
     }
-    const WorkTileInfo w = decode(t);
+    const Tile w = decode(t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
     return w;
   }
 
   // An own tile's epilogue reads every peer's partial of it from this rank's staging. Each
-  // consumer warp pulls its slab's lines into L2 when it learns the tile, a mainloop before its
-  // epilogue needs them (L2 is coherent with the peers' NVLink writes: data that lands later
+  // consumer warp pulls its slabs' lines (cooperative: one slab; ping-pong: its warpgroup's tile,
+  // slabs w and w + 4) into L2 when it learns the tile, a mainloop before its epilogue needs them (L2 is coherent with the peers' NVLink writes: data that lands later
   // updates the lines). Line prefetches, not bulk ones: those queue in the TMA unit ahead of the
   // mainloop's loads (measured: 11-18 % slower GEMMs).
-  CUTLASS_DEVICE void prefetch_peer_slabs(WorkTileInfo w, int lane) const {
+  CUTLASS_DEVICE void prefetch_peer_slabs(Tile w, int lane) const {
     if (!g_.prefetch) return;
     const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
     const int32_t j = (int32_t)(row / g_.m);
     if (j != g_.rank || col0 >= g_.N) return;
-    const int s = (threadIdx.x % 256) / 32;  // the warp's slab (CUTLASS's MMA thread index / 32)
     const int64_t bytes = min((int64_t)kTileN, g_.N - col0) * 2;
     const int64_t parity = (e_ & 1u) * g_.m * g_.N * 2;
-    for (int t = 1; t < g_.n; ++t) {
-      const char* base = g_.stage + stage_slot((g_.rank + t) % g_.n, g_.rank, g_.n) * g_.slot_bytes +
-                         parity + ((row - j * g_.m + 16 * s) * g_.N + col0) * 2;
-      for (int line = lane; line < 16 * 4; line += 32) {  // 16 rows x 4 lines of 128 bytes
-        const int64_t off = (int64_t)(line % 4) * 128;
-        if (off < bytes)
-          asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (line / 4) * g_.N * 2 + off));
+    constexpr int kSlabs = kPingpong ? 2 : 1;
+    for (int q = 0; q < kSlabs; ++q) {
+      // The warp's slab (each consumer warp prefetches one slab's worth per tile it learns).
+      const int s = kPingpong ? (threadIdx.x % 128) / 32 + 4 * q : (threadIdx.x % 256) / 32;
+      for (int t = 1; t < g_.n; ++t) {
+        const char* base = g_.stage +
+                           stage_slot((g_.rank + t) % g_.n, g_.rank, g_.n) * g_.slot_bytes +
+                           parity + ((row - j * g_.m + 16 * s) * g_.N + col0) * 2;
+        for (int line = lane; line < 16 * 4; line += 32) {  // 16 rows x 4 lines of 128 bytes
+          const int64_t off = (int64_t)(line % 4) * 128;
+          if (off < bytes)
+            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (line / 4) * g_.N * 2 + off));
+        }
       }
     }
   }
 
   // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
   // block, bands of `swizzle` cluster rows, column-major inside a band.
-  CUTLASS_DEVICE WorkTileInfo decode(int32_t t) const {
-    if (t >= g_.total) return WorkTileInfo::invalid_work_tile();
+  CUTLASS_DEVICE Tile decode(int32_t t) const {
+    if (t >= g_.total) return Tile::invalid_work_tile();
     const int32_t per_block = g_.cluster_rows * g_.cluster_cols;
     const int32_t vb = t / per_block, i = t - vb * per_block;
     const int32_t band = i / (g_.swizzle * g_.cluster_cols);
@@ -175,14 +241,21 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
 }  // namespace jaxoverlap::tile
 
-// GemmUniversal<..., ClaimedTiles> runs ClaimScheduler.
+// GemmUniversal<..., ClaimedTiles[Pingpong]> runs ClaimScheduler.
 namespace cutlass::gemm::kernel::detail {
 template <class TileShape, class ClusterShape, uint32_t Stages, class ProblemShapeType>
 struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTiles, arch::Sm90, TileShape, ClusterShape,
                              Stages, ProblemShapeType> {
   using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
                                                      cute::size<0>(ClusterShape{}),
-                                                     cute::size<1>(ClusterShape{})>;
+                                                     cute::size<1>(ClusterShape{}), false>;
+};
+template <class TileShape, class ClusterShape, uint32_t Stages, class ProblemShapeType>
+struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTilesPingpong, arch::Sm90, TileShape,
+                             ClusterShape, Stages, ProblemShapeType> {
+  using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
+                                                     cute::size<0>(ClusterShape{}),
+                                                     cute::size<1>(ClusterShape{}), true>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 

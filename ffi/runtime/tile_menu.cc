@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <limits>
@@ -25,7 +26,12 @@ namespace {
 std::mutex g_mu;                                              // g_choices
 std::map<std::pair<int, std::string>, TileChoice> g_choices;  // (device, problem) -> choice
 
-constexpr int kTileReps = 3;  // launches per timing; two timings per candidate, the best kept
+constexpr int kTileReps = 3;  // launches per timing (1 for a kernel over 1 ms); two timings per
+                              // candidate, the best kept
+// The selection runs at the problem's first call, under the device's lock, while a peer that
+// launched already spins: after the first pass over the menu, the raster bands are tried only
+// while the selection has taken less than this.
+constexpr double kTileBudgetS = 0.4;
 
 // The problem as the cache knows it: device kind, group size, shape, w layout, grid, the swizzle
 // asked for and the menu (a different build's menu is a different problem).
@@ -130,55 +136,72 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
   for (int i = 0; i < n; ++i) a.peers.stage[i] = buf[3], a.peers.flags[i] = flags;
   a.mode = 1;
   a.err = nullptr;
+  // An entry that cannot launch the problem (can_implement, its cluster's occupancy) is not
+  // launched: +inf. Pass 0 loads and warms up (one launch) and sets the launches per timing.
   auto time_one = [&](int entry, int swizzle) -> float {
     a.entry = entry, a.swizzle = swizzle;
     float best = std::numeric_limits<float>::infinity();
-    for (int pass = 0; pass < 3 && note.empty(); ++pass) {  // pass 0: load and warm up
-      if (pass > 0) cudaEventRecord(ev[0], stream);
+    if (check_tile_entry(a) != cudaSuccess) {
+      cudaGetLastError();
+      return best;
+    }
+    int reps = 1;
+    for (int pass = 0; pass < 3 && note.empty(); ++pass) {
+      const int count = pass ? reps : 1;
+      cudaEventRecord(ev[0], stream);
       bool ok = true;
-      for (int k = 0; k < (pass ? kTileReps : 1) && ok; ++k) {
+      for (int k = 0; k < count && ok; ++k) {
         ok = launch_tile_rs(a, stream) == cudaSuccess;
         ok = ok && tile_rs_advance_epoch(flags, stream) == cudaSuccess;  // claims alternate per call
       }
       if (!ok) {
         cudaGetLastError();
-        return best;  // an entry that cannot run this problem: +inf
+        return std::numeric_limits<float>::infinity();
       }
-      if (pass == 0) continue;
       cudaEventRecord(ev[1], stream);
       float t = 0;
       if (cudaError_t e = cudaEventSynchronize(ev[1]))
         fail("timing the tile kernels", e);
-      else if (cudaEventElapsedTime(&t, ev[0], ev[1]) == cudaSuccess)
-        best = std::min(best, t / kTileReps);
+      else if (cudaEventElapsedTime(&t, ev[0], ev[1]) != cudaSuccess)
+        cudaGetLastError();
+      else if (pass == 0)
+        reps = t < 1.0f ? kTileReps : 1;
+      else
+        best = std::min(best, t / count);
     }
     return best;
   };
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed_s = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   if (note.empty()) {
-    // Every entry at the asked swizzle, then the bands of the two fastest; a candidate must beat
-    // the one kept by 1 % (noise), so the default stays unless another is clearly faster.
+    // Every entry at the asked swizzle, then the bands of the two fastest (within the budget); a
+    // candidate must beat the one kept by 1 % (noise), so the default (entry 0, or the first
+    // that runs) stays unless another is clearly faster.
+    const float inf = std::numeric_limits<float>::infinity();
     std::vector<float> ms(tile_rs_menu_size());
-    int first = 0, second = -1;
+    int first = -1, second = -1;
     for (int e = 0; e < tile_rs_menu_size() && note.empty(); ++e) {
       ms[e] = time_one(e, call.swizzle);
       ++out->timed;
-      if (e == 0) continue;
-      if (ms[e] < 0.99f * ms[first]) second = first, first = e;
+      if (!(ms[e] < inf)) continue;
+      if (first < 0) first = e;
+      else if (ms[e] < 0.99f * ms[first]) second = first, first = e;
       else if (second < 0 || ms[e] < ms[second]) second = e;
     }
-    out->entry = first, out->swizzle = call.swizzle, out->ms = ms[first];
+    if (first < 0 && note.empty()) note = "no menu entry could run the problem on scratch operands";
+    if (first >= 0) out->entry = first, out->swizzle = call.swizzle, out->ms = ms[first];
     out->ms_default = ms[0];
     for (int e : {first, second}) {
       if (e < 0 || !note.empty()) continue;
       for (int sw : {1, 2, 4, 8, 16}) {
-        if (sw == call.swizzle || !note.empty()) continue;
+        if (sw == call.swizzle || !note.empty() || elapsed_s() > kTileBudgetS) continue;
         const float t = time_one(e, sw);
         ++out->timed;
         if (t < 0.99f * out->ms) out->entry = e, out->swizzle = sw, out->ms = t;
       }
     }
-    if (!(out->ms_default < std::numeric_limits<float>::infinity()) && note.empty())
-      note = "the default entry failed to run on scratch operands";
   }
   for (char* b : buf)
     if (b) cudaFreeAsync(b, stream);
