@@ -37,3 +37,16 @@ def lowering_only(monkeypatch, native_ok):
     monkeypatch.setattr(runtime, "can_access_peer", lambda a, b: True)
     monkeypatch.setattr(runtime, "compute_capability", lambda o: (9, 0))
     monkeypatch.setattr(runtime, "peer_link", lambda a, b: NVLINK)
+
+
+@pytest.fixture(autouse=True)
+def _order_calls(request, monkeypatch):
+    """The CPU tests lower with the order token on (issue 26 R2; opt-in, off by default:
+    jaxoverlap/fused/call.py ORDER_CALLS), their subprocesses too; tests/test_order_default.py
+    checks the default. GPU tests (tests/gpu) run the default."""
+    if os.sep + "gpu" + os.sep in str(request.node.fspath):
+        return
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_CALLS", True)
+    monkeypatch.setenv("JAXOVERLAP_ORDER_CALLS", "1")

@@ -424,3 +424,34 @@ def test_lowering_matches_golden(lowering_only, monkeypatch, case):
     want = _load().get(case)
     assert want is not None, f"{case} is not in {GOLDEN.name}: JAXOVERLAP_UPDATE_GOLDEN=1"
     assert got == want
+
+
+GOLDEN_V1 = GOLDEN.with_name("custom_calls_v1.json")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
+    """With the order token off -- the default (jaxoverlap/fused/call.py ORDER_CALLS; the CPU
+    suite turns it on) -- every case lowers to the ``_v1`` targets exactly as before issue 26:
+    tests/golden/custom_calls_v1.json is the golden file of 2026-12-02 before the token
+    (9ea46a7), changed since only where the lowering meant to (the tuned tile call's swizzle)."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_CALLS", False)
+    _patch(monkeypatch, "tuned", lambda *a: None)
+    _patch(monkeypatch, "AUTO_NEW_KERNELS", False)
+    jax.clear_caches()  # traces of the same functions with the token on would be reused
+    try:
+        got = _record(CASES[case](monkeypatch))
+    finally:
+        jax.clear_caches()
+    if UPDATE:
+        golden = json.loads(GOLDEN_V1.read_text()) if GOLDEN_V1.exists() else {}
+        golden[case] = got
+        GOLDEN_V1.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+        return
+    want = json.loads(GOLDEN_V1.read_text()).get(case)
+    assert want is not None, f"{case} is not in {GOLDEN_V1.name}: JAXOVERLAP_UPDATE_GOLDEN=1"
+    assert got == want
+    for c in got["calls"]:
+        assert c["target"].endswith("_v1") and "!stablehlo.token" not in c["operands"], c

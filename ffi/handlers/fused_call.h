@@ -194,7 +194,6 @@ struct CudaRuntime {
                              std::string* refused, bool* misordered) {
     const uint32_t index =
         jaxoverlap::begin_call(ws, rank, CallId{run, tag, under_capture()}, refused, misordered);
-    set_call_epoch(index);  // the copy-engine signals' value outside capture (kernels/ce.h)
     capture_mark("begin_call");
     return index;
   }

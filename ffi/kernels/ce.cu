@@ -14,15 +14,12 @@
 //     wait arrive[s][k][0] >= e on r, GEMM on the slot; last, release slot_free[r] = e on every
 //     peer (launch_release_slots), and the finish kernel advances the epoch after the join.
 #include <algorithm>
-#include <mutex>
-#include <set>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/ce.h"
 #include "runtime/capture.h"
-#include "runtime/memops.h"
 
 namespace jaxoverlap {
 namespace {
@@ -38,13 +35,6 @@ namespace {
 // recompiles every CUTLASS instantiation); it should get its own name there at the next change.
 constexpr int kSignalWord = (int)(sizeof(Flags::pad0) / sizeof(uint32_t)) - 1;
 __host__ __device__ inline uint32_t* signal_word(Flags* f) { return &f->pad0[kSignalWord]; }
-
-// The host's number of the call this thread's handler runs (set_call_epoch; 0: none), and the
-// ranks' flag blocks of which a call was ever captured: from then on the host's number is not the
-// device's epoch (replays advance the epoch without the host), and only the copy is right.
-thread_local uint32_t t_call_epoch = 0;
-std::mutex g_captured_mu;
-std::set<const Flags*> g_captured;
 
 __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int dst, int op,
                                          uint64_t timeout_ns, ErrorRecord* err) {
@@ -209,27 +199,18 @@ cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int
   if (stall_rank == peers.rank) return cudaSuccess;  // tests: this rank never signals
   Flags* local = peers.flags[peers.rank];
   uint32_t* flag = &peers.flags[dst]->arrive[peers.rank][chunk][0];
-  bool host_knows;  // the host's call number is this call's epoch target
-  {
-    std::lock_guard<std::mutex> lock(g_captured_mu);
-    if (under_capture()) g_captured.insert(local);
-    host_knows = t_call_epoch != 0 && !under_capture() && !g_captured.count(local);
-  }
-  // Outside capture: a stream write of the epoch target, in stream order after the push, with
-  // the default fence before it -- no SM (measured: a kernel holding every SM does not delay it).
-  // A driver that refuses the write (an address it cannot write by a stream operation: not
-  // seen, CUDA documents none for peer or IPC mappings) falls back to the copy below.
-  if (host_knows && stream_write_u32(stream, flag, t_call_epoch) == cudaSuccess)
-    return cudaSuccess;
-  // Captured (and every call of this rank's workspace after a capture): 4 bytes from this rank's
-  // signal word, read when the copy runs, so a replay carries its own epoch (a captured stream
-  // write would carry the recording's: the trap in runtime/memops.h). NCCL's copy-engine
-  // collectives signal peers by such a copy too. Measured on one GPU: a copy within one device
-  // runs on an SM, like the kernel; whether a copy to a peer GPU does is for the two-GPU run.
+  // 4 bytes from this rank's signal word, read when the copy runs, so a replay carries its own
+  // epoch (a captured stream write would carry the recording's: the trap in runtime/memops.h).
+  // NCCL's copy-engine collectives signal peers by such a copy too. Measured on one GPU: a copy
+  // within one device runs on an SM, like the kernel; whether a copy to a peer GPU does is for
+  // the two-GPU run. Outside capture a stream write (cuStreamWriteValue32) of the host's call
+  // number needs no SM, but that number is the device's epoch only while no call of the
+  // workspace was ever captured -- by any op, now that workspaces are shared by size class --
+  // and the final run of 2026-12-02 timed out on exactly that (flag 8, wanted 26): not used
+  // until the workspace records its captures (docs/ordering-and-stream-memops.md section 3).
   return cudaMemcpyAsync(flag, signal_word(local), sizeof(uint32_t), cudaMemcpyDefault, stream);
 }
 
-void set_call_epoch(uint32_t index) { t_call_epoch = index; }
 
 cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
                                    uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream,

@@ -22,20 +22,14 @@ cudaError_t preload_ce_kernels();
 cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64_t timeout_ns,
                                      ErrorRecord* err, cudaStream_t stream);
 // Copy stream, after the push of chunk `chunk` into rank `dst`'s slot: set
-// Flags::arrive[rank][chunk][0] = epoch + 1 on `dst` without a kernel (issue 26, R5):
-// outside XLA's capture a stream write (cuStreamWriteValue32, no SM) of the host's call number
-// (set_call_epoch), while it is the device's epoch -- until this rank's workspace had a call
-// captured; then, and under capture, a 4-byte copy of the value the call's
-// launch_ce_wait_slot_free stored, which must precede it on `stream` in the same call (every
-// copy-engine schedule waits for all its slots first).
+// Flags::arrive[rank][chunk][0] = epoch + 1 on `dst` without a kernel of ours: a 4-byte copy of
+// the value the call's launch_ce_wait_slot_free stored, which must precede it on `stream` in the
+// same call (every copy-engine schedule waits for all its slots first).
 // stall_rank == rank: never (tests). `gathered`: Flags::gathered[rank][chunk] instead (the
 // all-reduce's reduced chunks), by a one-thread kernel that decides when it runs whether the
 // chunk may be signalled (it is computed after this rank's own waits).
 cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
                                      cudaStream_t stream, bool gathered = false);
-// The host's number of the call the handler on this thread runs (runtime.h: begin_call), for
-// launch_ce_signal_arrival's stream writes.
-void set_call_epoch(uint32_t index);
 // Before reading rank `src`'s chunk `chunk` from this rank's slot: wait for its arrival flag.
 // `gathered`: the flag Flags::gathered[src][chunk]; and since a reduced chunk is computed after
 // the sender's own waits, the data is garbage if the call was given up (its abort word raised)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 
 import jax
 from jax._src import core
@@ -85,9 +86,22 @@ for _set in _ORDERED_SETS + _ALLOWED_SETS:
     _set.add_type(FusedOrder)
 for _set in _ALLOWED_SETS:
     _set.add_type(FusedDispatch)
-# The effects of a fused primitive's abstract eval: none where this jax lacks the private sets
-# (then the calls get a fresh token each: unordered, as before issue 26).
+# The order token is opt-in (JAXOVERLAP_ORDER_CALLS=1, read at import): on one H200 on 2026-12-02
+# XLA's GPU compiler (jaxlib 0.11.2) crashed in PriorityFusion on a scanned two-layer training
+# step with the token threaded through the fused calls (tests/gpu/test_xproc_gpu.py,
+# scanned_training), and JAX dispatches any program with an effect in Python (~0.8 ms a call on
+# the CPU machine). Off, nothing changes from before issue 26: the `_v1` targets, no token, no
+# effect (`_emit_v1`).
+ORDER_CALLS = os.environ.get("JAXOVERLAP_ORDER_CALLS", "") == "1"
+# The fused primitives' effects when the order is on (empty where this jax lacks the private
+# sets: then the calls get a fresh token each, unordered).
 FUSED_EFFECTS = frozenset({fused_order, fused_dispatch}) if _ORDERED_SETS else core.no_effects
+
+
+def fused_effects():
+    """The effects a fused primitive's abstract eval declares now: `FUSED_EFFECTS` while
+    `ORDER_CALLS` is on, else none."""
+    return FUSED_EFFECTS if ORDER_CALLS else core.no_effects
 
 
 class FusedUnavailable(Exception):
@@ -302,26 +316,37 @@ def row_spec(ctx, params, target, comm_sms, chunks, workspace, **attrs):
 
 
 def emit(ctx, table, spec, *operands):
-    """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`),
-    ordered after the previous fused call of the device and before the next (the order token:
-    last operand, last result); returns its results (without the scratch). ``ctx``'s rule
-    outputs the call's token."""
+    """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`);
+    returns its results (without the scratch). With the order token on (`ORDER_CALLS`), ordered
+    after the previous fused call of the device and before the next (the token: last operand,
+    last result; ``ctx``'s rule outputs the call's token), on the `_v2` target or its ``_knobs``
+    twin; off (the default), on the `_v1` target, which takes no token and carries the knobs on
+    every call, as before issue 26."""
     runtime.register_targets()
+    knobs = knob_attrs(spec.target)
+    ordered = bool(fused_effects())
+    if ordered:
+        target = targets.with_knobs(spec.target) if knobs else spec.target
+    else:
+        spec = dataclasses.replace(spec, kind=(targets.v1(spec.target), *spec.kind[1:]))
+        target = spec.target
+        knobs = dict(stall_rank=knobs.get("stall_rank", -1), profile=knobs.get("profile", 0))
     attrs = _table_attrs(
         table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
     )
-    knobs = knob_attrs(spec.target)
     attrs.update(**knobs, **spec.attrs)
-    token, set_token_out = _thread_token(ctx)
+    token = [core.abstract_token] if ordered else []
     inner = ctx.replace(
-        avals_in=[*ctx.avals_in, core.abstract_token],
-        avals_out=[*ctx.avals_out, *spec.scratch, core.abstract_token],
+        avals_in=[*ctx.avals_in, *token], avals_out=[*ctx.avals_out, *spec.scratch, *token]
     )
     lowering = jax.ffi.ffi_lowering(
-        targets.with_knobs(spec.target) if knobs else spec.target,
-        operand_layouts=[*spec.operand_layouts, ()],
-        result_layouts=[*spec.result_layouts, ()],
+        target,
+        operand_layouts=[*spec.operand_layouts, *[()] * len(token)],
+        result_layouts=[*spec.result_layouts, *[()] * len(token)],
     )
-    results = list(lowering(inner, *operands, token, **attrs))
+    if not ordered:
+        return list(lowering(inner, *operands, **attrs))[: len(ctx.avals_out)]
+    tok, set_token_out = _thread_token(ctx)
+    results = list(lowering(inner, *operands, tok, **attrs))
     set_token_out(results[-1])
     return results[: len(ctx.avals_out)]

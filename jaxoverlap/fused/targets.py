@@ -7,8 +7,9 @@ The ``_v2`` targets (issue 26) take the device's order token as their last opera
 as their last result (`jaxoverlap.fused.call`, `FusedOrder`), and carry no test-only knob (D17):
 a call lowered under a knob (`jaxoverlap.fused.knobs`) goes to the target's ``_knobs`` twin
 (`with_knobs`), the same handler with ``stall_rank`` and ``profile`` attributes. The ``_v1``
-targets (no token; the knobs as attributes of every call) stay registered, unchanged, for programs
-compiled against them; nothing lowers to them any more."""
+targets (no token; the knobs as attributes of every call) stay registered, unchanged: the lowering
+emits them while the order token is off (the default, `jaxoverlap.fused.call.ORDER_CALLS`), and
+programs compiled against them keep working."""
 
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ KNOBS_SUFFIX = "_knobs"
 def with_knobs(target):
     """The test- and tool-only twin of ``target`` (ffi/registry.cc registers both)."""
     return target + KNOBS_SUFFIX
+
+
+def v1(target):
+    """The ``_v1`` target of a ``_v2`` one: no order token, the knobs on every call."""
+    assert target.endswith("_v2"), target
+    return target[: -len("_v2")] + "_v1"

@@ -99,7 +99,7 @@ def _rs_cuda(ctx, x, *, axis_name, comm_sms, chunks, timeout_s):
 
 
 tma_reduce_scatter_p.def_effectful_abstract_eval(
-    lambda x, **params: (_rs_abstract(x, **params), call.FUSED_EFFECTS)
+    lambda x, **params: (_rs_abstract(x, **params), call.fused_effects())
 )
 mlir.register_lowering(tma_reduce_scatter_p, _rs_reference)
 mlir.register_lowering(tma_reduce_scatter_p, _rs_cuda, platform="cuda", cacheable=False)

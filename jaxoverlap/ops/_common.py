@@ -170,7 +170,7 @@ def def_abstract_eval(prim, abstract_eval):
     """``abstract_eval`` as ``prim``'s, with the effect every fused primitive has
     (`jaxoverlap.fused.FusedOrder`: its calls on a device run in program order)."""
     prim.def_effectful_abstract_eval(
-        lambda *args, **params: (abstract_eval(*args, **params), fused.FUSED_EFFECTS)
+        lambda *args, **params: (abstract_eval(*args, **params), fused.fused_effects())
     )
 
 

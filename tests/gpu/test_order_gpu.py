@@ -32,7 +32,7 @@ FLAG = "--xla_gpu_command_buffer_scheduling_mode"
 
 
 def _order(mode, timeout=120, **env):
-    env = {"PYTHONPATH": PATH, **env}
+    env = {"PYTHONPATH": PATH, "JAXOVERLAP_ORDER_CALLS": "1", **env}
     outs = _run(mode, timeout=timeout, env=env, worker=WORKER)
     if os.environ.get("ORDER_LOG_DIR"):  # the workers' whole outputs (GPU runs keep them)
         for p, out in enumerate(outs):
