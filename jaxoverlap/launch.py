@@ -120,10 +120,15 @@ def run(n, script_argv, *, devices_per_process=1, timeout_s=None, cuda_visible=F
     lock = threading.Lock()
     procs, pumps = [], []
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt
+    # SIGINT and SIGTERM only set a flag that the loop reads: an exception raised wherever the
+    # signal lands (inside Popen, or a poll holding the child's wait lock) could leave a child
+    # unstopped or the stop waiting on a lock (a CI run timed out in the Ctrl-C test).
+    interrupted = []
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for rank in range(n):
             p = subprocess.Popen(
@@ -141,6 +146,8 @@ def run(n, script_argv, *, devices_per_process=1, timeout_s=None, cuda_visible=F
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         code = 0
         while None in [p.poll() for p in procs]:  # a list: poll every child, every round
+            if interrupted:
+                raise KeyboardInterrupt
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 code = _exit_code(failed[0].returncode)
@@ -155,12 +162,15 @@ def run(n, script_argv, *, devices_per_process=1, timeout_s=None, cuda_visible=F
         else:
             failed = [p for p in procs if p.returncode != 0]
             code = _exit_code(failed[0].returncode) if failed else 0
+        if interrupted:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         code = 130
         _report(lock, "interrupted; stopping every process")
     finally:
         _stop(procs)
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for t in pumps:
             t.join(timeout=GRACE_S)
     return code

@@ -42,8 +42,9 @@ def lowering_only(monkeypatch, native_ok):
 @pytest.fixture(autouse=True)
 def _order_calls(request, monkeypatch):
     """The CPU tests lower with the order token on (issue 26 R2; opt-in, off by default:
-    jaxoverlap/fused/call.py ORDER_CALLS), their subprocesses too; tests/test_order_default.py
-    checks the default. GPU tests (tests/gpu) run the default."""
+    jaxoverlap/fused/call.py ORDER_CALLS), their subprocesses too;
+    tests/test_golden_lowering.py::test_default_lowering_is_the_v1_contract checks the default.
+    GPU tests (tests/gpu) run the default."""
     if os.sep + "gpu" + os.sep in str(request.node.fspath):
         return
     from jaxoverlap.fused import call

@@ -253,14 +253,14 @@ def chain(f, *args):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_jaxpr_shows_the_effect(case):
+def test_jaxpr_shows_the_effect(lowering_only, case):
     f = _fn(case(fused_ops(FUSED)))
     jaxpr = jax.make_jaxpr(f)(*_args())
     assert fused.FusedOrder in {type(e) for e in jaxpr.effects}, jaxpr.effects
     assert fused.FusedOrder in {type(e) for e in jax.make_jaxpr(_grad(f))(*_args()).effects}
 
 
-def test_every_fused_primitive_has_the_effect():
+def test_every_fused_primitive_has_the_effect(lowering_only):
     """The primitives a user's program reaches: the ops, their keep and tangent variants, the
     column-parallel backward (in grad) and tma_reduce_scatter."""
     from jaxoverlap.fused import tma
