@@ -33,7 +33,6 @@ import os
 
 import jax
 from jax._src import core
-from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology, xproc
@@ -215,8 +214,6 @@ def knob_attrs(target):
 def _thread_token(ctx):
     """The order token this call consumes (the last one of ``ctx``'s rule, or the rule's input)
     and a function that makes the call's token result the rule's output token."""
-    if not _ORDERED_SETS:
-        return hlo.create_token(), lambda tok: None
     tokens = ctx.tokens_out if ctx.tokens_out is not None else ctx.tokens_in
     if fused_order not in tokens.effects():
         raise AssertionError(
