@@ -455,3 +455,5 @@ def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
     assert got == want
     for c in got["calls"]:
         assert c["target"].endswith("_v1") and "!stablehlo.token" not in c["operands"], c
+        # the name tests and tools look for in HLO text (fused.emitted) is the emitted one
+        assert jaxoverlap.fused.emitted(c["target"][: -len("_v1")] + "_v2") == c["target"], c

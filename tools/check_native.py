@@ -81,7 +81,7 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
     from jaxoverlap.fused import tma
 
     mesh = Mesh(np.array(gpus), ("tp",))
-    gemm_rs_target, rs_target = fused.GEMM_RS_TARGET, tma.RS_TARGET
+    gemm_rs_target, rs_target = fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(tma.RS_TARGET)
     m, k, n = 1024, 2048, 1024  # global K; per-device 1024x1024 @ 1024x1024
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -114,7 +114,7 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
                 lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp", config=cfg), mesh=mesh, **spec
             )
         )
-        if ag_target not in agm.lower(xr, wr).compile().as_text():
+        if fused.emitted(ag_target) not in agm.lower(xr, wr).compile().as_text():
             return fail(f"fused all_gather_matmul HLO lacks {ag_target}")
         got = np.asarray(agm(xr, wr).astype(jnp.float32))
         want = np.asarray(jnp.matmul(xr.astype(jnp.float32), wr.astype(jnp.float32)))
@@ -127,7 +127,7 @@ def check_ops(jax, jaxoverlap, fused, gpus) -> int:
         return jaxoverlap.matmul_all_reduce(x, w, "tp", config=cfg)
 
     ar = jax.jit(jax.shard_map(all_reduce, mesh=mesh, in_specs=xw, out_specs=P()))
-    if fused.GEMM_AR_TARGET not in ar.lower(x, w).compile().as_text():
+    if fused.emitted(fused.GEMM_AR_TARGET) not in ar.lower(x, w).compile().as_text():
         return fail(f"fused matmul_all_reduce HLO lacks {fused.GEMM_AR_TARGET}")
     got = [np.asarray(s.data.astype(jnp.float32)) for s in ar(x, w).addressable_shards]
     want = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32)))

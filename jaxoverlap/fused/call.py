@@ -103,6 +103,13 @@ def fused_effects():
     return FUSED_EFFECTS if ORDER_CALLS else core.no_effects
 
 
+def emitted(target):
+    """The name a call of ``target`` (a `targets` constant, ``_v2``) has in the compiled HLO now:
+    ``target`` while the order token is on (`ORDER_CALLS`), else its ``_v1`` twin (`emit`).
+    Tests and tools that look for a fused call in HLO text look for this name."""
+    return target if fused_effects() else targets.v1(target)
+
+
 class FusedUnavailable(Exception):
     """The fused path cannot run for this call; the message says why."""
 

@@ -90,7 +90,7 @@ def test_copy_engine_pushes(gpus, chunks, dtype):
     same = jax.jit(lambda a, bs: jnp.stack([jnp.array_equal(a, b) for b in bs]))
     assert np.asarray(same(first, outs)).all()
     hlo = f.lower(x, w).compile().as_text()
-    assert f'custom_call_target="{fused.GEMM_RS_CE_TARGET}"' in hlo
+    assert f'custom_call_target="{fused.emitted(fused.GEMM_RS_CE_TARGET)}"' in hlo
 
 
 def test_batch_dims_and_chunk_counts(gpus):
@@ -176,7 +176,7 @@ def test_two_calls_in_one_program_and_hlo(gpus):
         )
     )
     hlo = f.lower(x, w).compile().as_text()
-    assert hlo.count(f'custom_call_target="{fused.GEMM_RS_TARGET}"') == 2
+    assert hlo.count(f'custom_call_target="{fused.emitted(fused.GEMM_RS_TARGET)}"') == 2
     assert "reduce-scatter" not in hlo
     y1, y2 = f(x, w)
     ref = _fn(mesh, XLA)
@@ -201,8 +201,8 @@ def test_middle_dimension_after_size_1_dims(gpus):
 
     _close(make(FUSED)(x, w), make(XLA)(x, w), jnp.bfloat16)
     hlo = make(FUSED).lower(x, w).compile().as_text()
-    assert f'custom_call_target="{fused.GEMM_RS_TARGET}"' in hlo
-    assert f'custom_call_target="{fused.AG_GEMM_TARGET}"' in hlo
+    assert f'custom_call_target="{fused.emitted(fused.GEMM_RS_TARGET)}"' in hlo
+    assert f'custom_call_target="{fused.emitted(fused.AG_GEMM_TARGET)}"' in hlo
     assert "reduce-scatter" not in hlo and "all-gather" not in hlo
 
 

@@ -39,8 +39,8 @@ def test_values_and_hlo(gpus, m, k_local, n):
     f = _fn(mesh, TILE)
     _close(f(x, w), _fn(mesh, XLA)(x, w), jnp.bfloat16)
     hlo = f.lower(x, w).compile().as_text()
-    assert f'custom_call_target="{fused.GEMM_RS_TILE_TARGET}"' in hlo
-    assert "reduce-scatter" not in hlo and f'"{fused.GEMM_RS_TARGET}"' not in hlo
+    assert f'custom_call_target="{fused.emitted(fused.GEMM_RS_TILE_TARGET)}"' in hlo
+    assert "reduce-scatter" not in hlo and f'"{fused.emitted(fused.GEMM_RS_TARGET)}"' not in hlo
 
 
 def test_middle_dimension_batch_and_permuted_2d_mesh(gpus):
@@ -108,4 +108,4 @@ def test_transposed_weight_of_the_backward(gpus):
     got = loss(TILE)(x)
     _close(got, loss(XLA)(x), jnp.bfloat16)
     hlo = loss(TILE).lower(x).compile().as_text()
-    assert f'custom_call_target="{fused.GEMM_RS_TILE_TARGET}"' in hlo
+    assert f'custom_call_target="{fused.emitted(fused.GEMM_RS_TILE_TARGET)}"' in hlo

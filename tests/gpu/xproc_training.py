@@ -75,7 +75,7 @@ def run(mesh, arr):
     def normal(*shape, scale=1.0, dtype=jnp.bfloat16):
         return (rng.standard_normal(shape, np.float32) * scale).astype(dtype)
 
-    keep, bulk = fused.AG_GEMM_KEEP_TARGET, fused_backward.TARGET
+    keep, bulk = fused.emitted(fused.AG_GEMM_KEEP_TARGET), fused.emitted(fused_backward.TARGET)
     for dtype in (jnp.bfloat16, jnp.float16):
         for rows in ((2 * 1536,), (2, 384)):
             k, n_local = 640, 1280

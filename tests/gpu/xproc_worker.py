@@ -75,6 +75,7 @@ def main(process, nproc, port, gpu, mode):
     def check(tag, f, args, ref, target, host=None):
         try:
             text = f.lower(*args).compile().as_text()
+            target = jaxoverlap.fused.emitted(target)
             assert target in text, f"{target} not in the compiled HLO"
             y = f(*args)
             jax.block_until_ready(y)
