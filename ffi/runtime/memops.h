@@ -5,10 +5,10 @@
 // signature it is called with. Host code only.
 //
 // What the fused calls use them for, and what not (the decision, with the measurements, in the
-// doc): the copy-engine schedules' arrival signals need no SM -- a 4-byte copy of a device-held
-// epoch word into the peer's flag (kernels/ce.h) -- so nothing here is on their path; these
-// wrappers serve the diagnostics (the capabilities) and the test-only probe
-// (kernels/memops_probe.cu) that measured the alternatives.
+// doc): the copy-engine schedules' arrival signals are stream writes of a constant, the count of
+// chunks landed (stream_write_u32; kernels/ce.h, launch_ce_signal_arrival), never a host-side
+// epoch; their waits stay bounded kernels (a stream wait cannot time out). The rest serves the
+// diagnostics (the capabilities) and the test-only probes (kernels/memops_probe.cu).
 #pragma once
 
 #include <cuda_runtime.h>
