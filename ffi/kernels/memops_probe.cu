@@ -72,6 +72,15 @@ __global__ void hold_sm_kernel(const uint32_t* stop, uint64_t bound_ns, uint32_t
   }
 }
 
+// A probe's first CUDA error, as "<what>: <CUDA's description>"; true if `e` is one.
+struct FirstError {
+  std::string& error;
+  bool operator()(const char* what, cudaError_t e) const {
+    if (error.empty() && e != cudaSuccess) error = std::string(what) + ": " + cudaGetErrorString(e);
+    return e != cudaSuccess;
+  }
+};
+
 struct Words {
   uint32_t flag, started, timeouts, word, trap;
 };
@@ -88,11 +97,7 @@ MemopsProbe stream_memops_probe(int ordinal, int replays, double bound_s) {
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   cudaGraph_t graph = nullptr, trap = nullptr;
   cudaGraphExec_t exec = nullptr, trap_exec = nullptr;
-  auto fail = [&](const char* what, cudaError_t e) {
-    if (r.error.empty() && e != cudaSuccess)
-      r.error = std::string(what) + ": " + cudaGetErrorString(e);
-    return e != cudaSuccess;
-  };
+  const FirstError fail{r.error};
   auto words = [&]() {
     Words w{};
     fail("cudaMemcpy", cudaMemcpy(&w, d, sizeof(w), cudaMemcpyDeviceToHost));
@@ -236,11 +241,7 @@ CeSignalProbe ce_signal_probe(int ordinal, int replays, double bound_s, uint32_t
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  auto fail = [&](const char* what, cudaError_t e) {
-    if (r.error.empty() && e != cudaSuccess)
-      r.error = std::string(what) + ": " + cudaGetErrorString(e);
-    return e != cudaSuccess;
-  };
+  const FirstError fail{r.error};
   auto sync = [&]() { return !fail("cudaDeviceSynchronize", cudaDeviceSynchronize()); };
   auto get = [&](const uint32_t* p) {
     uint32_t v = 0;
@@ -388,11 +389,7 @@ ReducePushProbe reduce_push_probe(int ordinal, int free_sms, int ctas, int64_t b
   ErrorRecord* err = nullptr;
   cudaStream_t k = nullptr, s[2] = {};
   cudaEvent_t e0 = nullptr, e1 = nullptr, done1 = nullptr;
-  auto fail = [&](const char* what, cudaError_t e) {
-    if (r.error.empty() && e != cudaSuccess)
-      r.error = std::string(what) + ": " + cudaGetErrorString(e);
-    return e != cudaSuccess;
-  };
+  const FirstError fail{r.error};
   do {
     if (fail("cudaSetDevice", cudaSetDevice(ordinal))) break;
     cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, ordinal);

@@ -15,31 +15,23 @@ from __future__ import annotations
 
 import pytest
 
+from .scripts import native_probe
+
 pytestmark = pytest.mark.gpu
 
 CTAS = 16
 
 
 def _probe(gpus_any, free_sms, calls=5, timeout_s=1.0):
-    from jaxoverlap import runtime
-
-    nat = runtime.native()
-    if nat is None:
-        pytest.fail("the native extension is not built")
-    ordinal = gpus_any[0].local_hardware_id
-    r = dict(
-        nat._reduce_push_probe(
-            ordinal,
-            free_sms=free_sms,
-            ctas=CTAS,
-            block_bytes=8 << 20,
-            calls=calls,
-            timeout_s=timeout_s,
-        )
+    return native_probe(
+        gpus_any[0],
+        "_reduce_push_probe",
+        free_sms=free_sms,
+        ctas=CTAS,
+        block_bytes=8 << 20,
+        calls=calls,
+        timeout_s=timeout_s,
     )
-    print("reduce_push_probe", r)
-    assert r["error"] == "", r
-    return r
 
 
 @pytest.mark.parametrize("free", ["all", "2x", "1.5x", "1x+1"])

@@ -28,21 +28,14 @@ from __future__ import annotations
 
 import pytest
 
+from .scripts import native_probe
+
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def probe(gpus_any):
-    from jaxoverlap import runtime
-
-    nat = runtime.native()
-    if nat is None:
-        pytest.fail("the native extension is not built")
-    ordinal = gpus_any[0].local_hardware_id
-    r = dict(nat._stream_memops_probe(ordinal, replays=200, bound_s=0.25))
-    print("stream_memops_probe", r)
-    assert r["error"] == "", r
-    return r
+    return native_probe(gpus_any[0], "_stream_memops_probe", replays=200, bound_s=0.25)
 
 
 def test_the_occupier_holds_every_thread_slot(probe):
@@ -87,16 +80,7 @@ def test_captured_geq_on_a_host_index_passes_without_waiting(probe):
 
 @pytest.fixture(scope="module")
 def ce_probe(gpus_any):
-    from jaxoverlap import runtime
-
-    nat = runtime.native()
-    if nat is None:
-        pytest.fail("the native extension is not built")
-    ordinal = gpus_any[0].local_hardware_id
-    r = dict(nat._ce_signal_probe(ordinal, replays=100, bound_s=0.25, epoch=25))
-    print("ce_signal_probe", r)
-    assert r["error"] == "", r
-    return r
+    return native_probe(gpus_any[0], "_ce_signal_probe", replays=100, bound_s=0.25, epoch=25)
 
 
 def test_ce_receiver_does_not_take_the_previous_calls_count(ce_probe):
