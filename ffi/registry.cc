@@ -223,8 +223,8 @@ double sum_blocks_check(int ordinal, int count, int64_t elems, int64_t stride, b
 // round trip onto `ordinal`, then the export of a workspace (key `site`, 4 KiB blocks) whose
 // member in this process is `ordinal`, as the lowering thread runs it. Returns the device of the
 // thread's current context before, after the round trip and after the export (-1: none), the
-// export's error ('' if none) and the device the workspace's first allocation (its host-mapped
-// abort words) belongs to.
+// export's error ('' if none) and the device the workspace's first allocation (its abort words,
+// in device memory since issue 26's R7) belongs to.
 nb::dict context_check(int ordinal, int64_t site) {
   using namespace jaxoverlap;
   int before = -2, after_guard = -2, after_export = -2, alloc_device = -2;
