@@ -67,17 +67,6 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorString(e);
 }
 
-void* driver_entry(const char* name, int version) {
-  cudaDriverEntryPointQueryResult q;
-  void* p = nullptr;
-  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q);
-  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  return p;
-}
-
 namespace {
 
 // Each entry point asked for by the version of the signature it is called with: the newest

@@ -21,6 +21,7 @@
 #include "runtime/call_order.h"
 #include "runtime/capture.h"
 #include "runtime/gemm.h"
+#include "runtime/memops.h"
 #include "runtime/ws_class.h"
 #include "kernels/common.cuh"
 
@@ -226,10 +227,6 @@ class DeviceGuard {
   int saved_device_ = -1;  // only when the driver's entry points are missing: the device
 };
 
-// A driver API function through the runtime's entry-point query (no link against libcuda), or
-// null if the driver has none of that name. `version`: the CUDA version whose signature of the
-// name the caller uses (cudaTypedefs.h's PFN_<name>_v<version>): a newer one may differ.
-void* driver_entry(const char* name, int version = 13000);
 // The device of the driver context current on this thread: -1 if none, -2 if it cannot tell.
 int context_device();
 
