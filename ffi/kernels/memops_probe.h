@@ -18,7 +18,7 @@ struct MemopsProbe {
   // Release of the occupier from another stream once every block is resident, by:
   int write_value_timeouts = -1;  // cuStreamWriteValue32 (no SM): blocks that timed out
   double write_value_ms = 0;      // the occupier's duration
-  int copy_timeouts = -1;         // a 4-byte copy from a device word (the copy-engine signal)
+  int copy_timeouts = -1;         // a 4-byte copy from a device word (run 57's signal)
   double copy_ms = 0;
   int kernel_timeouts = -1;       // a one-thread kernel (today's signal): expected all blocks
   double kernel_ms = 0;
