@@ -223,8 +223,8 @@ double sum_blocks_check(int ordinal, int count, int64_t elems, int64_t stride, b
 // round trip onto `ordinal`, then the export of a workspace (key `site`, 4 KiB blocks) whose
 // member in this process is `ordinal`, as the lowering thread runs it. Returns the device of the
 // thread's current context before, after the round trip and after the export (-1: none), the
-// export's error ('' if none) and the device the workspace's first allocation (its host-mapped
-// abort words) belongs to.
+// export's error ('' if none) and the device the workspace's first allocation (its abort words,
+// in device memory since issue 26's R7) belongs to.
 nb::dict context_check(int ordinal, int64_t site) {
   using namespace jaxoverlap;
   int before = -2, after_guard = -2, after_export = -2, alloc_device = -2;
@@ -336,18 +336,67 @@ NB_MODULE(_native, m) {
       "a 4-byte copy, by a one-thread kernel; a captured wait+copy replayed; the captured-GEQ "
       "trap (kernels/memops_probe.h says what each field is).");
   m.def(
+      "_ce_signal_probe",
+      [](int ordinal, int replays, double bound_s, uint32_t epoch) {
+        const jaxoverlap::CeSignalProbe r = [&] {
+          nb::gil_scoped_release unlocked;
+          jaxoverlap::DeviceGuard guard;
+          return jaxoverlap::ce_signal_probe(ordinal, replays, bound_s, epoch);
+        }();
+        nb::dict d;
+        d["error"] = r.error, d["blocks"] = r.blocks, d["epoch"] = r.epoch;
+        d["early_timed_out"] = r.early_timed_out, d["early_seen"] = r.early_seen;
+        d["early_wanted"] = r.early_wanted, d["announced_call"] = r.announced_call;
+        d["announced_landed"] = r.announced_landed, d["signal_timeouts"] = r.signal_timeouts;
+        d["signal_ms"] = r.signal_ms, d["landed_after"] = r.landed_after;
+        d["wait_passed"] = r.wait_passed, d["later_chunk_timed_out"] = r.later_chunk_timed_out;
+        d["graph_memop_nodes"] = r.graph_memop_nodes;
+        d["graph_kernel_nodes"] = r.graph_kernel_nodes;
+        d["graph_memcpy_nodes"] = r.graph_memcpy_nodes, d["replays"] = r.replays;
+        d["replay_timeouts"] = r.replay_timeouts, d["replays_done"] = r.replays_done;
+        d["fallbacks"] = r.fallbacks;
+        return d;
+      },
+      nb::arg("ordinal"), nb::arg("replays") = 100, nb::arg("bound_s") = 0.25,
+      nb::arg("epoch") = 25,
+      "Test-only (issue 26, R5): the copy-engine schedules' signal (launch_ce_signal_arrival) "
+      "releasing a kernel that holds every SM, uncaptured and replayed from a graph, and the "
+      "receiver's waits around it (kernels/memops_probe.h says what each field is).");
+  m.def(
+      "_reduce_push_probe",
+      [](int ordinal, int free_sms, int ctas, int64_t block_bytes, int calls, double timeout_s) {
+        const jaxoverlap::ReducePushProbe r = [&] {
+          nb::gil_scoped_release unlocked;
+          jaxoverlap::DeviceGuard guard;
+          return jaxoverlap::reduce_push_probe(ordinal, free_sms, ctas, block_bytes, calls,
+                                               timeout_s);
+        }();
+        nb::dict d;
+        d["error"] = r.error, d["sms"] = r.sms, d["free_sms"] = r.free_sms, d["ctas"] = r.ctas;
+        d["occupier_blocks"] = r.occupier_blocks, d["block_bytes"] = r.block_bytes;
+        d["calls"] = r.calls, d["timeouts"] = r.timeouts, d["wrong"] = r.wrong;
+        d["ms_mean"] = r.ms_mean, d["ms_max"] = r.ms_max, d["epochs"] = r.epochs;
+        return d;
+      },
+      nb::arg("ordinal"), nb::arg("free_sms"), nb::arg("ctas") = 16,
+      nb::arg("block_bytes") = 8 << 20, nb::arg("calls") = 5, nb::arg("timeout_s") = 1.0,
+      "Test-only (issue 26, R6): the reduce-push kernel of two ranks on one device beside an "
+      "occupier holding all SMs but free_sms (kernels/memops_probe.h says what each field is).");
+  m.def(
       "stream_memop_caps",
       [](int ordinal) {
         const jaxoverlap::MemopCaps& c = jaxoverlap::memop_caps(ordinal);
         nb::dict d;
         d["mem_ops_64"] = c.mem_ops_64, d["flush_remote_writes"] = c.flush_remote_writes;
         d["wait_value_nor"] = c.wait_value_nor, d["entry_points"] = c.entry_points;
+        d["signal_fallbacks"] = jaxoverlap::ce_signal_fallbacks();
         return d;
       },
       nb::arg("ordinal"),
       "What a CUDA ordinal supports of the stream memory operations (-1: could not be asked): "
-      "64-bit operations, CU_STREAM_WAIT_VALUE_FLUSH, wait NOR; and whether the driver gave the "
-      "entry points.");
+      "64-bit operations, CU_STREAM_WAIT_VALUE_FLUSH, wait NOR; whether the driver gave the "
+      "entry points; and (process-wide) how many copy-engine signals the driver refused as "
+      "stream writes, sent by a one-thread kernel instead.");
   m.def("gemm_plans", &gemm_plans, nb::arg("ordinal"),
         "The GEMM plans of a CUDA ordinal: shape, SM target, and which of cuBLASLt's candidates "
         "the timing chose (ms of the heuristic's first choice and of the kept one).");

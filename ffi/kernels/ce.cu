@@ -1,40 +1,47 @@
 // Copy-engine protocol kernels: the data moves with the copy engine (cudaMemcpyAsync, no SMs);
-// these one-thread kernels order it across GPUs. Used by the fused all-gather + GEMM
-// (jaxoverlap_ag_gemm_v1) and the dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc), which
-// pushes blocks of its dgrad partial the same way and sums what arrives (sum_blocks_kernel), and
-// by the gather half of the fused GEMM + all-reduce (its own flags, Flags::gathered).
+// these one-thread kernels and stream writes order it across GPUs. Used by the fused all-gather +
+// GEMM (jaxoverlap_ag_gemm_v1), the copy-engine GEMM + reduce-scatter (handlers/gemm_rs_ce.cc) and
+// the dgrad reduce-scatter beside the wgrad GEMM (handlers/dgrad_rs_wgrad.cc), which pushes blocks
+// of its dgrad partial the same way and sums what arrives (sum_blocks_kernel), and by the gather
+// half of the fused GEMM + all-reduce (its own flags, Flags::gathered).
 // Protocol, as the all-gather uses it (rank r of n, workspace epoch e = Flags::epoch + 1 of this
-// call, never reset):
+// call, never reset; `call` and `landed` are words of the receiver's Flags, below):
 //   copy stream, for each destination j = r + 1, ..., r - 1 (mod n):
-//     wait slot_free[j] >= e - 1 on r (j's GEMMs of the previous call no longer read the slot),
-//     and store e into r's signal word (signal_word below);
-//     per chunk k: copy x chunk k -> j's slot for r, then copy r's signal word (4 bytes, e) into
-//     arrive[r][k][0] on j: the copy engine signals, no SM (kernels/ce.h).
+//     wait slot_free[j] >= e - 1 on r (j's waits of the previous call are over), then on j:
+//     landed[r] = 0, then call[r] = e (a release: "r's pushes of call e follow");
+//     per chunk k: copy x chunk k -> j's slot for r, then landed[r] = k + 1 on j by a stream
+//     write (cuStreamWriteValue32: no SM, and a constant, so a CUDA graph replays it right).
 //   GEMM stream: own block first, then for each source s = r - 1, ..., r + 1 (mod n), per chunk:
-//     wait arrive[s][k][0] >= e on r, GEMM on the slot; last, release slot_free[r] = e on every
-//     peer (launch_release_slots), and the finish kernel advances the epoch after the join.
+//     wait call[s] >= e, then landed[s] >= k + 1, on r; GEMM on the slot; last, release
+//     slot_free[r] = e on every peer (launch_release_slots), and the finish kernel advances the
+//     epoch after the join.
 #include <algorithm>
+#include <atomic>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/ce.h"
-#include "runtime/capture.h"
+#include "runtime/memops.h"
 
 namespace jaxoverlap {
 namespace {
 
-// The copy-engine signal's source (issue 26, R5): a word of this rank's Flags that holds the
-// value its arrival signals of the running call carry -- the call's epoch target e, or 0 when the
-// call must not be signalled (below) -- stored by the slot-free wait that precedes the call's
-// pushes on the copy stream, and copied by the copy engine into the peer's arrival flag after each
-// push. The value lives on the device, as every epoch does, so a signal recorded into a CUDA graph
-// carries the replay's epoch, not the one of the recording (a cuStreamWriteValue32 would freeze
-// the host's value at capture: docs/ordering-and-stream-memops.md, section 3). The word is the
-// last of Flags::pad0, unused by every kernel (kernels/common.cuh is left alone: editing it
-// recompiles every CUTLASS instantiation); it should get its own name there at the next change.
-constexpr int kSignalWord = (int)(sizeof(Flags::pad0) / sizeof(uint32_t)) - 1;
-__host__ __device__ inline uint32_t* signal_word(Flags* f) { return &f->pad0[kSignalWord]; }
+// The copy-engine signals (issue 26, R5; docs/ordering-and-stream-memops.md section 3), in words
+// of the receiver's Flags, per source rank s:
+//   call[s]   -- the epoch target of the call whose pushes from s follow, written by s's slot-free
+//                wait kernel (a kernel reads the device's epoch, so a graph replay writes the
+//                replay's);
+//   landed[s] -- how many chunks of that call have landed, written after each push by a stream
+//                write of a constant (k + 1): no SM, and right on every replay of a captured call
+//                whatever ran on the workspace between (the host's call number is not the
+//                device's epoch once any op sharing the workspace was captured: run 57).
+// The slot-free kernel zeroes landed[s] before it raises call[s], with a release; the receiver
+// waits call[s] >= e before landed[s] >= k + 1, so a count of an earlier call is never taken for
+// this one. The words are Flags::pad0[0, 2 kMaxRanks), unused by every other kernel
+// (kernels/common.cuh is left alone: editing it recompiles every CUTLASS instantiation; give them
+// names there at its next change).
+// (ce.h: ce_call_word, ce_landed_word).
 
 __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int dst, int op,
                                          uint64_t timeout_ns, ErrorRecord* err) {
@@ -56,45 +63,70 @@ __global__ void ce_wait_slot_free_kernel(const __grid_constant__ Peers p, int ds
     // fill their outputs with NaN and report it rather than let mixed data pass.
     if (p.dead && e > 1u) atomicCAS_system(&p.flags[dst]->poison_from, 0u, e - 1u);
   }
-  // What this call's signals carry (signal_word): e, or 0 -- below every epoch target, so no
-  // wait is satisfied by it -- in a spanning group given up for good, or a call given up here
-  // (a receiver in another process cannot see this process's abort word). Decided here, before
-  // the pushes, not at each signal as the one-thread signal kernel did: the pushed data (x or
-  // GEMM partials of this rank's own inputs) does not depend on this rank's waits, so a signal
-  // of a call given up later still hands over correct data.
+  // Announce this call's pushes to `dst` (ce.h: ce_call_word): its count of landed chunks back
+  // to 0, then, with a release, the call. `dst` read both words of the previous call before it
+  // released the slot, so nothing of that call is overwritten under its waits. Not announced --
+  // the receiver's wait then gives up on its own dead word or times out -- in a spanning group
+  // given up for good, or a call given up here (a receiver in another process cannot see this
+  // process's abort word). Decided here, before the pushes, not at each signal as the one-thread
+  // signal kernel did: the pushed data (x or GEMM partials of this rank's own inputs) does not
+  // depend on this rank's waits, so a signal of a call given up later still hands over correct
+  // data.
   const bool silent = p.dead && (*(volatile uint32_t*)p.dead ||
                                  (p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e));
-  *(volatile uint32_t*)signal_word(local) = silent ? 0u : e;
+  if (silent) return;
+  Flags* peer = p.flags[dst];
+  *(volatile uint32_t*)ce_landed_word(peer, p.rank) = 0u;
   __threadfence_system();
+  st_release_sys(ce_call_word(peer, p.rank), e);
 }
 
+// The reduced chunks of the all-reduce (Flags::gathered), and the landed count of a chunk when the
+// driver refuses the stream write (launch_ce_signal_arrival): one thread, so an SM.
 __global__ void ce_signal_arrival_kernel(const __grid_constant__ Peers p, int dst, int chunk,
                                          int stall_rank, int gathered) {
   const uint32_t e = p.flags[p.rank]->epoch + 1u;
   if (stall_rank == p.rank) return;
-  // A spanning group given up for good, or this call given up here: the pushed data may be
-  // garbage, and a receiver in another process cannot see this process's abort word.
+  // The copy before this kernel in stream order has completed; the system-scope fence orders its
+  // writes (made by the copy engine) before the release as seen from the peer.
+  if (!gathered) {
+    __threadfence_system();
+    st_release_sys(ce_landed_word(p.flags[dst], p.rank), (uint32_t)chunk + 1u);
+    return;
+  }
+  // A spanning group given up for good, or this call given up here: the reduced chunk is
+  // computed after this rank's own waits and may be garbage, and a receiver in another process
+  // cannot see this process's abort word.
   if (p.dead && (*(volatile uint32_t*)p.dead ||
                  (p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e)))
     return;
-  // The copy before this kernel in stream order has completed; the system-scope fence orders its
-  // writes (made by the copy engine) before the release as seen from the peer.
   __threadfence_system();
-  Flags* f = p.flags[dst];
-  st_release_sys(gathered ? &f->gathered[p.rank][chunk] : &f->arrive[p.rank][chunk][0], e);
+  st_release_sys(&p.flags[dst]->gathered[p.rank][chunk], e);
 }
 
 __global__ void ce_wait_arrival_kernel(const __grid_constant__ Peers p, int src, int chunk, int op,
                                        uint64_t timeout_ns, ErrorRecord* err, int gathered) {
   Flags* local = p.flags[p.rank];
   const uint32_t e = local->epoch + 1u;
-  const uint32_t* flag = gathered ? &local->gathered[src][chunk] : &local->arrive[src][chunk][0];
-  const bool ok = wait_flag(flag, e, true, timeout_ns, err, p, {op, kWaitCeBlock, src, chunk});
+  const WaitSite site{op, kWaitCeBlock, src, chunk};
+  if (!gathered) {
+    // The source announced this call (its slot-free wait ran), then chunk `chunk` landed. One
+    // timeout for both: the second wait gets what the first left of it. A report of the second
+    // shows the count of landed chunks as its flag (wanted: chunk + 1).
+    const uint64_t t0 = global_ns();
+    if (wait_flag(ce_call_word(local, src), e, true, timeout_ns, err, p, site)) {
+      const uint64_t spent = global_ns() - t0;
+      wait_flag(ce_landed_word(local, src), (uint32_t)chunk + 1u, true,
+                spent < timeout_ns ? timeout_ns - spent : 0, err, p, site);
+    }
+    fence_proxy_async();  // the GEMM may read the staged block through TMA
+    return;
+  }
+  const bool ok = wait_flag(&local->gathered[src][chunk], e, true, timeout_ns, err, p, site);
   // A reduced chunk is released after the sender's own waits of this call: if one of them gave
   // up, the call's abort word was raised before (and is visible after the acquire above), and
   // the chunk is garbage.
-  if (gathered && ok && p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e)
-    local->gave_up = e;
+  if (ok && p.abort && *(volatile uint32_t*)abort_word(p.abort, e) == e) local->gave_up = e;
   fence_proxy_async();  // the GEMM may read the staged block through TMA
 }
 
@@ -190,6 +222,10 @@ cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64
   return cudaGetLastError();
 }
 
+namespace {
+std::atomic<int64_t> g_signal_fallbacks{0};
+}  // namespace
+
 cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int stall_rank,
                                      cudaStream_t stream, bool gathered) {
   if (gathered) {  // a reduced chunk: whether to signal is decided when it is sent (the kernel)
@@ -197,20 +233,21 @@ cudaError_t launch_ce_signal_arrival(const Peers& peers, int dst, int chunk, int
     return cudaGetLastError();
   }
   if (stall_rank == peers.rank) return cudaSuccess;  // tests: this rank never signals
-  Flags* local = peers.flags[peers.rank];
-  uint32_t* flag = &peers.flags[dst]->arrive[peers.rank][chunk][0];
-  // 4 bytes from this rank's signal word, read when the copy runs, so a replay carries its own
-  // epoch (a captured stream write would carry the recording's: the trap in runtime/memops.h).
-  // NCCL's copy-engine collectives signal peers by such a copy too. Measured on one GPU: a copy
-  // within one device runs on an SM, like the kernel; whether a copy to a peer GPU does is for
-  // the two-GPU run. Outside capture a stream write (cuStreamWriteValue32) of the host's call
-  // number needs no SM, but that number is the device's epoch only while no call of the
-  // workspace was ever captured -- by any op, now that workspaces are shared by size class --
-  // and the final run of 2026-12-02 timed out on exactly that (flag 8, wanted 26): not used
-  // until the workspace records its captures (docs/ordering-and-stream-memops.md section 3).
-  return cudaMemcpyAsync(flag, signal_word(local), sizeof(uint32_t), cudaMemcpyDefault, stream);
+  // A stream write of a constant, in stream order after the push, with the default fence before
+  // it: no SM (measured: a kernel holding every SM of the device does not delay it), and, being
+  // a constant, right on every replay of a captured call (docs/ordering-and-stream-memops.md,
+  // section 3). A driver that refuses it (an address it cannot write by a stream operation: not
+  // seen; CUDA documents none for peer or IPC mappings) gets the one-thread kernel instead,
+  // counted (ce_signal_fallbacks).
+  uint32_t* landed = ce_landed_word(peers.flags[dst], peers.rank);
+  if (stream_write_u32(stream, landed, (uint32_t)chunk + 1u) == cudaSuccess) return cudaSuccess;
+  cudaGetLastError();
+  g_signal_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  ce_signal_arrival_kernel<<<1, 1, 0, stream>>>(peers, dst, chunk, stall_rank, 0);
+  return cudaGetLastError();
 }
 
+int64_t ce_signal_fallbacks() { return g_signal_fallbacks.load(std::memory_order_relaxed); }
 
 cudaError_t launch_ce_wait_arrival(const Peers& peers, int src, int chunk, int op,
                                    uint64_t timeout_ns, ErrorRecord* err, cudaStream_t stream,

@@ -1,17 +1,22 @@
-// Test-only (issue 26, R5; kernels/memops_probe.h): a kernel that takes every thread slot of every
-// SM spins (bounded) on a flag, and the flag is released from another stream by
-// cuStreamWriteValue32, by a 4-byte copy of a device word (what the copy-engine schedules' signals
-// now are, kernels/ce.h), or by a one-thread kernel (what they were): the first two need no SM,
-// the third cannot start until the occupier gives up. Then a graph captured once -- NCCL's
-// captured wait (EQ on a constant, reset in the same batch) and the copy of a value only the
-// device knows -- replayed against a fresh occupier each time; and the trap a captured GEQ wait
-// on a host-side index falls into on replay.
+// Test-only (issue 26, R5 and R6; kernels/memops_probe.h). A kernel that takes every thread slot
+// of every SM spins (bounded) on a flag, and the flag is released from another stream by
+// cuStreamWriteValue32, by a 4-byte copy of a device word, or by a one-thread kernel: only the
+// first needs no SM (measured). Then a graph captured once -- NCCL's captured wait (EQ on a
+// constant, reset in the same batch) and a stream write -- replayed against a fresh occupier each
+// time; the trap a captured GEQ wait on a host-side index falls into on replay; the copy-engine
+// schedules' own signal and waits (kernels/ce.h) under such an occupier, uncaptured and replayed;
+// and the reduce-push kernel of two ranks beside an occupier holding most SMs.
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/ce.h"
+#include "kernels/comm.h"
 #include "kernels/memops_probe.h"
 #include "runtime/memops.h"
 
@@ -55,6 +60,27 @@ __global__ void signal_kernel(uint32_t* flag, uint32_t value) {
   *(volatile uint32_t*)flag = value;
 }
 
+// One block per SM (it takes the SM's whole shared memory): thread 0 counts itself in `started`
+// and spins until `stop` is set or `bound_ns` passes.
+__global__ void hold_sm_kernel(const uint32_t* stop, uint64_t bound_ns, uint32_t* started) {
+  extern __shared__ char hold[];
+  if (threadIdx.x == 0) {
+    hold[0] = 0;
+    atomicAdd(started, 1u);
+    const uint64_t t0 = now_ns();
+    while (*(const volatile uint32_t*)stop == 0 && now_ns() - t0 < bound_ns) __nanosleep(256);
+  }
+}
+
+// A probe's first CUDA error, as "<what>: <CUDA's description>"; true if `e` is one.
+struct FirstError {
+  std::string& error;
+  bool operator()(const char* what, cudaError_t e) const {
+    if (error.empty() && e != cudaSuccess) error = std::string(what) + ": " + cudaGetErrorString(e);
+    return e != cudaSuccess;
+  }
+};
+
 struct Words {
   uint32_t flag, started, timeouts, word, trap;
 };
@@ -71,11 +97,7 @@ MemopsProbe stream_memops_probe(int ordinal, int replays, double bound_s) {
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   cudaGraph_t graph = nullptr, trap = nullptr;
   cudaGraphExec_t exec = nullptr, trap_exec = nullptr;
-  auto fail = [&](const char* what, cudaError_t e) {
-    if (r.error.empty() && e != cudaSuccess)
-      r.error = std::string(what) + ": " + cudaGetErrorString(e);
-    return e != cudaSuccess;
-  };
+  const FirstError fail{r.error};
   auto words = [&]() {
     Words w{};
     fail("cudaMemcpy", cudaMemcpy(&w, d, sizeof(w), cudaMemcpyDeviceToHost));
@@ -204,6 +226,283 @@ MemopsProbe stream_memops_probe(int ordinal, int replays, double bound_s) {
   for (cudaEvent_t x : {e0, e1})
     if (x) cudaEventDestroy(x);
   if (d) cudaFree(d);
+  return r;
+}
+
+CeSignalProbe ce_signal_probe(int ordinal, int replays, double bound_s, uint32_t epoch) {
+  CeSignalProbe r;
+  r.epoch = epoch;
+  r.replays = replays;
+  const uint64_t bound_ns = (uint64_t)(bound_s * 1e9);
+  Words* d = nullptr;
+  Flags* f = nullptr;  // f[0]: the sender's (rank 0), f[1]: the receiver's (rank 1)
+  ErrorRecord* err = nullptr;
+  cudaStream_t k = nullptr, s = nullptr, t = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  const FirstError fail{r.error};
+  auto sync = [&]() { return !fail("cudaDeviceSynchronize", cudaDeviceSynchronize()); };
+  auto get = [&](const uint32_t* p) {
+    uint32_t v = 0;
+    fail("cudaMemcpy", cudaMemcpy(&v, p, 4, cudaMemcpyDeviceToHost));
+    return v;
+  };
+  auto set = [&](uint32_t* p, uint32_t v) {
+    fail("cudaMemcpy", cudaMemcpy(p, &v, 4, cudaMemcpyHostToDevice));
+  };
+  do {
+    if (fail("cudaSetDevice", cudaSetDevice(ordinal))) break;
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, occupy_kernel, kThreads, 0);
+    r.blocks = sms * per_sm;
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (fail("preload_ce_kernels", preload_ce_kernels()) ||
+        fail("cudaMalloc", cudaMalloc(&d, sizeof(Words))) ||
+        fail("cudaMalloc", cudaMalloc(&f, 2 * sizeof(Flags))) ||
+        fail("cudaHostAlloc", cudaHostAlloc((void**)&err, sizeof(ErrorRecord),
+                                            cudaHostAllocMapped | cudaHostAllocPortable)) ||
+        fail("cudaStreamCreate", cudaStreamCreateWithFlags(&k, cudaStreamNonBlocking)) ||
+        fail("cudaStreamCreate",  // the copy stream's priority
+             cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest)) ||
+        fail("cudaStreamCreate", cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking)) ||
+        fail("cudaEventCreate", cudaEventCreate(&e0)) ||
+        fail("cudaEventCreate", cudaEventCreate(&e1)))
+      break;
+    std::memset(err, 0, sizeof(ErrorRecord));
+    fail("cudaMemset", cudaMemset(d, 0, sizeof(Words)));
+    fail("cudaMemset", cudaMemset(f, 0, 2 * sizeof(Flags)));
+    // `epoch` calls done on both ranks; the receiver released the slot of the last one, which
+    // announced itself and landed its one chunk.
+    set(&f[0].epoch, epoch);
+    set(&f[1].epoch, epoch);
+    set(&f[0].slot_free[1], epoch);
+    set(ce_call_word(&f[1], 0), epoch);
+    set(ce_landed_word(&f[1], 0), 1);
+    if (!sync()) break;
+    Peers p[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      p[i].n = 2, p[i].rank = i, p[i].device = ordinal;
+      p[i].flags[0] = &f[0], p[i].flags[1] = &f[1];
+    }
+    const uint64_t short_ns = 50'000'000;  // 50 ms
+    uint32_t* landed = ce_landed_word(&f[1], 0);
+
+    // The receiver, before the sender announced the call: times out on the call word.
+    fail("launch_ce_wait_arrival",
+         launch_ce_wait_arrival(p[1], 0, 0, kOpAgGemm, short_ns, err, t));
+    if (!sync()) break;
+    r.early_timed_out = err->set == 1;
+    r.early_seen = err->seen, r.early_wanted = err->target;
+    std::memset(err, 0, sizeof(ErrorRecord));
+    set(&f[1].gave_up, 0);
+
+    // The sender's slot-free wait announces the call on the receiver.
+    fail("launch_ce_wait_slot_free",
+         launch_ce_wait_slot_free(p[0], 1, kOpAgGemm, short_ns, err, s));
+    if (!sync()) break;
+    r.announced_call = get(ce_call_word(&f[1], 0));
+    r.announced_landed = get(landed);
+
+    // The signal, once every occupier block runs.
+    fail("cudaEventRecord", cudaEventRecord(e0, k));
+    occupy_kernel<<<r.blocks, kThreads, 0, k>>>(landed, 1, bound_ns, &d->started, &d->timeouts,
+                                                nullptr, 0);
+    fail("occupy_kernel", cudaGetLastError());
+    fail("cudaEventRecord", cudaEventRecord(e1, k));
+    fail("stream_wait_u32", stream_wait_u32(s, &d->started, (uint32_t)r.blocks, true));
+    fail("launch_ce_signal_arrival", launch_ce_signal_arrival(p[0], 1, 0, -1, s));
+    if (!sync()) break;
+    float ms = 0;
+    fail("cudaEventElapsedTime", cudaEventElapsedTime(&ms, e0, e1));
+    r.signal_ms = ms;
+    r.signal_timeouts = (int)get(&d->timeouts);
+    r.landed_after = get(landed);
+    fail("launch_ce_wait_arrival", launch_ce_wait_arrival(p[1], 0, 0, kOpAgGemm, short_ns, err, t));
+    if (!sync()) break;
+    r.wait_passed = err->set == 0 && get(&f[1].gave_up) == 0;
+    fail("launch_ce_wait_arrival", launch_ce_wait_arrival(p[1], 0, 1, kOpAgGemm, short_ns, err, t));
+    if (!sync()) break;
+    r.later_chunk_timed_out = err->set == 1 && err->seen == 1 && err->target == 2;
+    std::memset(err, 0, sizeof(ErrorRecord));
+
+    // Captured once, replayed: each replay's occupier spins until the landed count reaches 1
+    // (its stream zeroes the count first); the graph runs once all its blocks do.
+    if (fail("cudaStreamBeginCapture", cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal)))
+      break;
+    fail("capture launch_ce_signal_arrival", launch_ce_signal_arrival(p[0], 1, 0, -1, s));
+    if (fail("cudaStreamEndCapture", cudaStreamEndCapture(s, &graph))) break;
+    size_t count = 0;
+    fail("cudaGraphGetNodes", cudaGraphGetNodes(graph, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    fail("cudaGraphGetNodes", cudaGraphGetNodes(graph, nodes.data(), &count));
+    r.graph_memop_nodes = r.graph_kernel_nodes = r.graph_memcpy_nodes = 0;
+    for (cudaGraphNode_t n : nodes) {
+      const int type = graph_node_type(n);
+      r.graph_memop_nodes += type == 12;  // CU_GRAPH_NODE_TYPE_BATCH_MEM_OP
+      r.graph_kernel_nodes += type == cudaGraphNodeTypeKernel;
+      r.graph_memcpy_nodes += type == cudaGraphNodeTypeMemcpy;
+    }
+    if (fail("cudaGraphInstantiate", cudaGraphInstantiate(&exec, graph, 0))) break;
+    fail("cudaMemset", cudaMemset(d, 0, sizeof(Words)));
+    if (!sync()) break;
+    for (int i = 1; i <= replays && r.error.empty(); ++i) {
+      fail("stream_write_u32", stream_write_u32(k, landed, 0));
+      occupy_kernel<<<r.blocks, kThreads, 0, k>>>(landed, 1, bound_ns, &d->started,
+                                                  &d->timeouts, nullptr, 0);
+      fail("occupy_kernel", cudaGetLastError());
+      fail("stream_write_u32", stream_write_u32(k, &d->word, (uint32_t)i));  // replays done
+      fail("wait+reset", stream_wait_eq_then_reset_u32(s, &d->started, (uint32_t)r.blocks, 0));
+      fail("cudaGraphLaunch", cudaGraphLaunch(exec, s));
+      // the next replay's occupier must not start before this graph ran (it would see 1)
+      fail("cudaEventRecord", cudaEventRecord(e0, s));
+      fail("cudaStreamWaitEvent", cudaStreamWaitEvent(k, e0));
+    }
+    if (!sync()) break;
+    r.replay_timeouts = (int)get(&d->timeouts);
+    r.replays_done = get(&d->word);
+  } while (false);
+  r.fallbacks = ce_signal_fallbacks();
+  cudaGetLastError();
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  for (cudaStream_t x : {k, s, t})
+    if (x) cudaStreamDestroy(x);
+  for (cudaEvent_t x : {e0, e1})
+    if (x) cudaEventDestroy(x);
+  if (d) cudaFree(d);
+  if (f) cudaFree(f);
+  if (err) cudaFreeHost(err);
+  return r;
+}
+
+ReducePushProbe reduce_push_probe(int ordinal, int free_sms, int ctas, int64_t block_bytes,
+                                  int calls, double timeout_s) {
+  ReducePushProbe r;
+  r.free_sms = free_sms, r.ctas = ctas, r.block_bytes = block_bytes, r.calls = calls;
+  const int64_t elems = block_bytes / 2;  // bf16
+  Flags* f = nullptr;
+  char *stage = nullptr, *src = nullptr, *out = nullptr;
+  uint32_t* words = nullptr;  // [0] started, [1] stop
+  ErrorRecord* err = nullptr;
+  cudaStream_t k = nullptr, s[2] = {};
+  cudaEvent_t e0 = nullptr, e1 = nullptr, done1 = nullptr;
+  const FirstError fail{r.error};
+  do {
+    if (fail("cudaSetDevice", cudaSetDevice(ordinal))) break;
+    cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, ordinal);
+    int smem_optin = 0;
+    cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal);
+    r.occupier_blocks = std::max(0, r.sms - free_sms);
+    if (elems % (2 * 8) || ctas < 1) {
+      r.error = "block_bytes must be a multiple of 32 and ctas positive";
+      break;
+    }
+    if (fail("preload_comm_kernels", preload_comm_kernels()) ||
+        fail("cudaFuncSetAttribute",
+             cudaFuncSetAttribute(hold_sm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem_optin)) ||
+        fail("cudaMalloc", cudaMalloc(&f, 2 * sizeof(Flags))) ||
+        fail("cudaMalloc", cudaMalloc(&stage, 2 * block_bytes)) ||
+        fail("cudaMalloc", cudaMalloc(&src, 4 * block_bytes)) ||  // [rank][block]
+        fail("cudaMalloc", cudaMalloc(&out, 2 * block_bytes)) ||
+        fail("cudaMalloc", cudaMalloc(&words, 2 * sizeof(uint32_t))) ||
+        fail("cudaHostAlloc", cudaHostAlloc((void**)&err, sizeof(ErrorRecord),
+                                            cudaHostAllocMapped | cudaHostAllocPortable)) ||
+        fail("cudaStreamCreate", cudaStreamCreateWithFlags(&k, cudaStreamNonBlocking)) ||
+        fail("cudaStreamCreate", cudaStreamCreateWithFlags(&s[0], cudaStreamNonBlocking)) ||
+        fail("cudaStreamCreate", cudaStreamCreateWithFlags(&s[1], cudaStreamNonBlocking)) ||
+        fail("cudaEventCreate", cudaEventCreate(&e0)) ||
+        fail("cudaEventCreate", cudaEventCreate(&e1)) ||
+        fail("cudaEventCreate", cudaEventCreate(&done1)))
+      break;
+    std::memset(err, 0, sizeof(ErrorRecord));
+    fail("cudaMemset", cudaMemset(f, 0, 2 * sizeof(Flags)));
+    fail("cudaMemset", cudaMemset(stage, 0, 2 * block_bytes));
+    // src[rank r][block j][i] = (i % 7) + r + 2 j: small integers, every sum exact in bf16.
+    std::vector<__nv_bfloat16> h(4 * elems);
+    for (int rj = 0; rj < 4; ++rj)
+      for (int64_t i = 0; i < elems; ++i)
+        h[rj * elems + i] = __float2bfloat16((float)((i % 7) + rj / 2 + 2 * (rj % 2)));
+    fail("cudaMemcpy", cudaMemcpy(src, h.data(), 4 * block_bytes, cudaMemcpyHostToDevice));
+    if (fail("sync", cudaDeviceSynchronize())) break;
+    CommArgs a[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      Peers& p = a[i].peers;
+      p.n = 2, p.rank = i, p.device = ordinal;
+      p.flags[0] = &f[0], p.flags[1] = &f[1];
+      p.stage[0] = stage, p.stage[1] = stage + block_bytes;
+      a[i].src = src + i * 2 * block_bytes;
+      a[i].own = a[i].src + i * block_bytes;
+      a[i].out = out + i * block_bytes;
+      a[i].block_bytes = block_bytes;
+      a[i].chunks = 1;
+      a[i].senders = ctas;
+      a[i].stall_rank = -1;
+      a[i].op = kOpReduceScatter;
+      a[i].timeout_ns = (uint64_t)(timeout_s * 1e9);
+      a[i].err = err;
+      a[i].dtype = DType::kBF16;
+      a[i].reduce_push = 1;
+    }
+    std::vector<__nv_bfloat16> got(2 * elems);
+    double total = 0;
+    for (int c = 0; c < calls && r.error.empty(); ++c) {
+      fail("cudaMemset", cudaMemset(out, 0xff, 2 * block_bytes));  // NaN until written
+      fail("cudaMemset", cudaMemset(words, 0, 2 * sizeof(uint32_t)));
+      if (fail("sync", cudaDeviceSynchronize())) break;
+      if (r.occupier_blocks > 0) {
+        hold_sm_kernel<<<r.occupier_blocks, 128, smem_optin, k>>>(
+            &words[1], (uint64_t)((timeout_s * 3 + 1) * 1e9), &words[0]);
+        fail("hold_sm_kernel", cudaGetLastError());
+      }
+      for (int i = 0; i < 2; ++i)
+        fail("stream_wait_u32", stream_wait_u32(s[i], &words[0], (uint32_t)r.occupier_blocks,
+                                                true));
+      fail("cudaEventRecord", cudaEventRecord(e0, s[0]));
+      fail("cudaStreamWaitEvent", cudaStreamWaitEvent(s[1], e0));
+      for (int i = 0; i < 2; ++i) {
+        fail("launch_comm", launch_comm(a[i], s[i]));
+        fail("launch_finish", launch_finish(&f[i], s[i]));
+      }
+      fail("cudaEventRecord", cudaEventRecord(done1, s[1]));
+      fail("cudaStreamWaitEvent", cudaStreamWaitEvent(s[0], done1));
+      fail("cudaEventRecord", cudaEventRecord(e1, s[0]));
+      fail("stream_write_u32", stream_write_u32(s[0], &words[1], 1));  // release the occupier
+      if (fail("sync", cudaDeviceSynchronize())) break;
+      float ms = 0;
+      fail("cudaEventElapsedTime", cudaEventElapsedTime(&ms, e0, e1));
+      total += ms;
+      r.ms_max = std::max(r.ms_max, (double)ms);
+      if (err->set) ++r.timeouts;
+      std::memset(err, 0, sizeof(ErrorRecord));
+      for (int i = 0; i < 2; ++i) {  // gave_up of either rank: fine for the next call
+        uint32_t zero = 0;
+        cudaMemcpy(&f[i].gave_up, &zero, 4, cudaMemcpyHostToDevice);
+      }
+      fail("cudaMemcpy", cudaMemcpy(got.data(), out, 2 * block_bytes, cudaMemcpyDeviceToHost));
+      bool bad = false;
+      for (int i = 0; i < 2 && !bad; ++i)  // rank i: its own block i plus the peer's block i
+        for (int64_t x = 0; x < elems && !bad; ++x) {
+          const float want = (float)(2 * (x % 7) + 1 + 4 * i);
+          bad = __bfloat162float(got[i * elems + x]) != want;
+        }
+      r.wrong += bad;
+    }
+    r.ms_mean = total / std::max(calls, 1);
+    fail("cudaMemcpy", cudaMemcpy(&r.epochs, &f[0].epoch, 4, cudaMemcpyDeviceToHost));
+  } while (false);
+  cudaGetLastError();
+  cudaDeviceSynchronize();
+  for (cudaStream_t x : {k, s[0], s[1]})
+    if (x) cudaStreamDestroy(x);
+  for (cudaEvent_t x : {e0, e1, done1})
+    if (x) cudaEventDestroy(x);
+  for (void* p : {(void*)f, (void*)stage, (void*)src, (void*)out, (void*)words})
+    if (p) cudaFree(p);
+  if (err) cudaFreeHost(err);
   return r;
 }
 

@@ -9,12 +9,22 @@
 #include <mutex>
 #include <string>
 
-#include "runtime/runtime.h"
-
 namespace jaxoverlap {
+
+void* driver_entry(const char* name, int version) {
+  cudaDriverEntryPointQueryResult q;
+  void* p = nullptr;
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
 namespace {
 
-// Each asked for by the version of the signature called (runtime.h: driver_entry): the _v2
+// Each asked for by the version of the signature called (driver_entry): the _v2
 // memory operations of CUDA 11.7, the device queries of CUDA 2.0.
 struct MemopApi {
   PFN_cuStreamWriteValue32_v11070 write = nullptr;

@@ -1,14 +1,15 @@
 // CUDA stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32 / cuStreamBatchMemOp:
 // a write or a wait that the GPU's front end executes in stream order, without an SM) and what a
-// device supports of them (issue 26, R5; docs/ordering-and-stream-memops.md section 3). Entry
-// points through the driver (runtime.h: driver_entry), each asked for by the version of the
-// signature it is called with. Host code only.
+// device supports of them (issue 26, R5; docs/ordering-and-stream-memops.md section 3), and the
+// driver's entry points they and the rest of the runtime are reached by (driver_entry), each asked
+// for by the version of the signature it is called with. Host code only, no other jaxoverlap
+// object needed (the probes link it alone: tools/probes/build_tile_live.sh).
 //
 // What the fused calls use them for, and what not (the decision, with the measurements, in the
-// doc): the copy-engine schedules' arrival signals need no SM -- a 4-byte copy of a device-held
-// epoch word into the peer's flag (kernels/ce.h) -- so nothing here is on their path; these
-// wrappers serve the diagnostics (the capabilities) and the test-only probe
-// (kernels/memops_probe.cu) that measured the alternatives.
+// doc): the copy-engine schedules' arrival signals are stream writes of a constant, the count of
+// chunks landed (stream_write_u32; kernels/ce.h, launch_ce_signal_arrival), never a host-side
+// epoch; their waits stay bounded kernels (a stream wait cannot time out). The rest serves the
+// diagnostics (the capabilities) and the test-only probes (kernels/memops_probe.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +18,11 @@
 #include <string>
 
 namespace jaxoverlap {
+
+// A driver API function through the runtime's entry-point query (no link against libcuda), or
+// null if the driver has none of that name. `version`: the CUDA version whose signature of the
+// name the caller uses (cudaTypedefs.h's PFN_<name>_v<version>): a newer one may differ.
+void* driver_entry(const char* name, int version = 13000);
 
 // What a device supports of the stream memory operations (cuDeviceGetAttribute; -1: could not
 // be asked). Since CUDA 12.0 the 32-bit operations are always available (their attribute was

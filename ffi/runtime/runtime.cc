@@ -67,17 +67,6 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorString(e);
 }
 
-void* driver_entry(const char* name, int version) {
-  cudaDriverEntryPointQueryResult q;
-  void* p = nullptr;
-  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q);
-  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  return p;
-}
-
 namespace {
 
 // Each entry point asked for by the version of the signature it is called with: the newest
@@ -151,13 +140,31 @@ std::string device_runtime(int ordinal, DeviceRuntime** out) {
 }
 
 uint32_t* spanning_dead_word() {
-  static uint32_t* word = [] {
-    void* p = nullptr;
-    if (cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable))
-      return (uint32_t*)nullptr;
-    *(volatile uint32_t*)p = 0;
-    return (uint32_t*)p;
-  }();
+  static std::mutex mu;
+  static std::map<int, uint32_t*> words;  // by device ordinal
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  uint32_t*& word = words[device];
+  if (word) return word;
+  void* p = nullptr;
+  cudaStream_t s = nullptr;
+  if (cudaMalloc(&p, sizeof(uint32_t)) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    if (p) cudaFree(p);
+    cudaGetLastError();
+    return nullptr;
+  }
+  // A private stream: the synchronisation waits for this memset only.
+  const bool ok = cudaMemsetAsync(p, 0, sizeof(uint32_t), s) == cudaSuccess &&
+                  cudaStreamSynchronize(s) == cudaSuccess;
+  cudaStreamDestroy(s);
+  if (!ok) {
+    cudaFree(p);
+    cudaGetLastError();
+    return nullptr;
+  }
+  word = static_cast<uint32_t*>(p);
   return word;
 }
 
@@ -204,7 +211,7 @@ void schedule_report(const std::string& found) {
   for_each_workspace([&](Workspace* ws) {
     if (ws->spans) {  // no symmetric refusal across processes: refused from now on (runtime.h)
       if (ws->broken.empty()) ws->broken = found;
-      if (uint32_t* dead = ws->peers[ws->local].dead) *(volatile uint32_t*)dead = 1;
+      if (uint32_t* dead = ws->peers[ws->local].dead) write_word(ws, dead, 1);
       return;
     }
     uint32_t last = 0;

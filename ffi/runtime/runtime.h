@@ -21,6 +21,7 @@
 #include "runtime/call_order.h"
 #include "runtime/capture.h"
 #include "runtime/gemm.h"
+#include "runtime/memops.h"
 #include "runtime/ws_class.h"
 #include "kernels/common.cuh"
 
@@ -58,8 +59,10 @@ std::string device_runtime(int ordinal, DeviceRuntime** out);
 // structured multiple of 8 SMs), the GEMM the rest. Created once per (device, comm_sms).
 std::string partition(DeviceRuntime* dev, int comm_sms, Partition** out);
 
-// The host-mapped word of this process's spanning workspaces (Peers::dead); null if it could
-// not be allocated.
+// The word of this process's spanning workspaces on the current device (Peers::dead): device
+// memory, so the waiters' polls never cross PCIe (issue 26, R7), allocated on first use on that
+// device (the caller has set it: R1), raised by kernels that time out and by the host
+// (write_word); null if it could not be allocated.
 uint32_t* spanning_dead_word();
 
 // Host-mapped error record of a device (usable from kernels through UVA).
@@ -118,7 +121,13 @@ struct Workspace {
   int64_t site_now[kMaxRanks] = {};
   std::set<int64_t> warmed[kMaxRanks];
   cudaEvent_t done[kMaxRanks] = {};  // on rank r's device: the last call of this workspace ended
-  uint32_t* abort = nullptr;      // host-mapped abort ring (Peers::abort, kAbortSlots words)
+  // The abort ring (Peers::abort, kAbortSlots words) in device memory of `abort_device` (member
+  // 0's, or the local member's in a group that spans processes), which the other members of
+  // this process read over NVLink; the host raises its words, and a spanning group's dead word,
+  // by write_word on `abort_stream` (issue 26, R7: the waiters poll it, never host memory).
+  uint32_t* abort = nullptr;
+  int abort_device = -1;
+  cudaStream_t abort_stream = nullptr;
   // Calls issued per rank (under seq_mu). Every counted call runs the finish kernel exactly once,
   // so issued[r] + 1 is the epoch target of rank r's next call, the same on every rank.
   std::mutex seq_mu;
@@ -153,6 +162,9 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
 
 // Gives up call number `index` of `ws` on every rank: raises its abort word (Peers::abort).
 void abort_call(Workspace* ws, uint32_t index);
+// Host write of a word of `ws`'s abort ring or of its dead word (both in device memory of
+// ws->abort_device): a stream write on ws->abort_stream, no SM, not behind any spinning kernel.
+void write_word(Workspace* ws, uint32_t* word, uint32_t value);
 
 // The workspace of a call (site, `ordinals`, its block of `block_bytes`) from the pool: shared by
 // every call of the same group, size class and areas (ws_class.h: pool_key), or `exact`: its
@@ -181,8 +193,8 @@ std::string member_name(int ordinal);
 // workspace): what xproc.cc builds cross-process workspaces with.
 std::string with_workspace_slot(const WsKey& key,
                                 const std::function<std::string(std::unique_ptr<Workspace>&)>& fn);
-// The host-mapped abort ring of `ws` (Peers::abort), and member `i`'s buffers on its device
-// (cleared flags; ws->peers[i]'s own entries): the pieces both creations are built of.
+// The abort ring of `ws` (Peers::abort) on the current device, and member `i`'s buffers on its
+// device (cleared flags; ws->peers[i]'s own entries): the pieces both creations are built of.
 std::string allocate_abort(Workspace* ws);
 std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_gather);
 // Frees what a workspace holds on this process's devices (its own allocations, the peers'
@@ -215,10 +227,6 @@ class DeviceGuard {
   int saved_device_ = -1;  // only when the driver's entry points are missing: the device
 };
 
-// A driver API function through the runtime's entry-point query (no link against libcuda), or
-// null if the driver has none of that name. `version`: the CUDA version whose signature of the
-// name the caller uses (cudaTypedefs.h's PFN_<name>_v<version>): a newer one may differ.
-void* driver_entry(const char* name, int version = 13000);
 // The device of the driver context current on this thread: -1 if none, -2 if it cannot tell.
 int context_device();
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/memops.h"
 #include "runtime/runtime.h"
 
 namespace jaxoverlap {
@@ -70,26 +71,47 @@ void for_each_workspace(const std::function<void(Workspace*)>& fn) {
   }
 }
 
+void write_word(Workspace* ws, uint32_t* word, uint32_t value) {
+  // A stream write on the ring's side stream (no SM, not behind any kernel of the device's other
+  // streams), or, if the driver refuses it, a 4-byte copy from pageable memory (staged before
+  // cudaMemcpyAsync returns). Best effort: the waits also end by their own timeouts.
+  DeviceGuard guard;
+  if (cudaSetDevice(ws->abort_device) != cudaSuccess) return;
+  if (stream_write_u32(ws->abort_stream, word, value) != cudaSuccess) {
+    cudaGetLastError();
+    cudaMemcpyAsync(word, &value, sizeof(value), cudaMemcpyHostToDevice, ws->abort_stream);
+  }
+  cudaGetLastError();
+}
+
 void abort_call(Workspace* ws, uint32_t index) {
   // A peer process cannot see this process's abort ring: for a spanning group the dead word
-  // goes first, so this rank's kernels of the call (signals included) stop before the abort
-  // lets its waits give up and its pushes carry garbage (ce.cu, ce_signal_arrival_kernel).
-  if (ws->spans && ws->peers[ws->local].dead) {
-    *(volatile uint32_t*)ws->peers[ws->local].dead = 1;
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-  }
-  *(volatile uint32_t*)abort_word(ws->abort, index) = index;
+  // goes first (the same stream: in that order), so this rank's kernels of the call (signals
+  // included) stop before the abort lets its waits give up and its pushes carry garbage (ce.cu,
+  // ce_wait_slot_free_kernel).
+  if (ws->spans && ws->peers[ws->local].dead) write_word(ws, ws->peers[ws->local].dead, 1);
+  write_word(ws, abort_word(ws->abort, index), index);
 }
 
 std::string allocate_abort(Workspace* ws) {
   // The first allocation of a workspace: with no context current it would create device 0's
-  // (R1), so the caller must have chosen a member's device.
+  // (R1), so the caller must have chosen a member's device -- the ring's (issue 26, R7: device
+  // memory, so the waiters' polls never cross PCIe; members in this process read it over NVLink).
   if (context_device() == -1)
     return "allocating a workspace's abort words with no CUDA device current on this thread";
-  if (cudaError_t e = cudaHostAlloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots,
-                                    cudaHostAllocMapped | cudaHostAllocPortable))
-    return cuda_error("cudaHostAlloc (abort words)", e);
-  for (uint32_t i = 0; i < kAbortSlots; ++i) ws->abort[i] = i ^ 1u;  // no epoch of slot i
+  if (cudaError_t e = cudaGetDevice(&ws->abort_device)) return cuda_error("cudaGetDevice", e);
+  int least = 0, greatest = 0;
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (cudaError_t e =
+          cudaStreamCreateWithPriority(&ws->abort_stream, cudaStreamNonBlocking, greatest))
+    return cuda_error("cudaStreamCreate (abort words)", e);
+  if (cudaError_t e = cudaMalloc((void**)&ws->abort, sizeof(uint32_t) * kAbortSlots))
+    return cuda_error("cudaMalloc (abort words)", e);
+  uint32_t init[kAbortSlots];
+  for (uint32_t i = 0; i < kAbortSlots; ++i) init[i] = i ^ 1u;  // no epoch of slot i
+  cudaMemcpyAsync(ws->abort, init, sizeof(init), cudaMemcpyHostToDevice, ws->abort_stream);
+  if (cudaError_t e = cudaStreamSynchronize(ws->abort_stream))
+    return cuda_error("initialising the abort words", e);
   return "";
 }
 
@@ -145,7 +167,10 @@ void free_workspace(Workspace* ws) {
           for (void* p : {(void*)mine.stage[j], (void*)mine.flags[j], (void*)mine.gather[j]})
             if (p) cudaIpcCloseMemHandle(p);
   }
-  if (ws->abort) cudaFreeHost(ws->abort);
+  if (ws->abort_device >= 0 && cudaSetDevice(ws->abort_device) == cudaSuccess) {
+    if (ws->abort) cudaFree(ws->abort);
+    if (ws->abort_stream) cudaStreamDestroy(ws->abort_stream);
+  }
   cudaGetLastError();
 }
 
@@ -188,6 +213,8 @@ std::string create_workspace(Workspace* ws, bool with_partials, bool with_gather
       else if (e) return cuda_error("cudaDeviceEnablePeerAccess", e);
     }
   }
+  // The abort ring on member 0's device (allocate_abort), read by the others over NVLink.
+  if (cudaError_t e = cudaSetDevice(ordinals[0])) return cuda_error("cudaSetDevice", e);
   if (std::string e = allocate_abort(ws); !e.empty()) return e;
   for (int i = 0; i < n; ++i)
     if (std::string e = allocate_member(ws, i, with_partials, with_gather); !e.empty()) return e;

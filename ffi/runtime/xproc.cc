@@ -55,8 +55,8 @@ std::string export_rank(const WsKey& key, int rank, std::string* handles) {
         e = std::string("cudaSetDevice: ") + cudaGetErrorString(ce);
       if (e.empty()) e = allocate_abort(ws.get());
       if (e.empty()) e = allocate_member(ws.get(), rank, key.partials, key.gather);
-      ws->peers[rank].dead = spanning_dead_word();
-      if (e.empty() && !ws->peers[rank].dead) e = "could not allocate the host-mapped dead word";
+      if (e.empty()) ws->peers[rank].dead = spanning_dead_word();  // this member's device's
+      if (e.empty() && !ws->peers[rank].dead) e = "could not allocate the dead word";
       if (!e.empty()) {
         free_workspace(ws.get());
         return e;

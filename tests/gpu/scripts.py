@@ -25,3 +25,16 @@ def run_script(code, *args, timeout=180, only_results=False):
     keep = (lambda ln: " OK" in ln or " RAISED" in ln) if only_results else (lambda ln: True)
     lines = {ln.split(" ")[0]: ln for ln in p.stdout.splitlines() if keep(ln)}
     return p.stdout + p.stderr, lines
+
+
+def native_probe(device, name, **kwargs):
+    """Runs the test-only native probe ``_native.<name>`` on ``device`` (a jax GPU device) with
+    ``kwargs``; prints its result (the GPU logs keep it) and fails the test on a CUDA error."""
+    from jaxoverlap import runtime
+
+    nat = runtime.native()
+    assert nat is not None, "the native extension is not built"
+    r = dict(getattr(nat, name)(device.local_hardware_id, **kwargs))
+    print(name.lstrip("_"), r)
+    assert r["error"] == "", r
+    return r

@@ -159,6 +159,8 @@ def test_fused_calls_in_command_buffers(gpus_any, tmp_path):
             for r in (r_on, r_off):
                 assert tag in r and " OK" in r[tag], f"{tag}\n{report}\n{runs['on'][p][-3000:]}"
             c_on, c_off = _graph_counts(r_on[tag]), _graph_counts(r_off[tag])
+            # every copy-engine signal a stream write (no SM), captured or not (issue 26, R5)
+            assert c_on["signal_fallbacks"] == c_off["signal_fallbacks"] == "0", report
             device = int(c_on["device_calls"])
             assert int(c_off["host_calls"]) == device and c_off["captured"] == "0", report
             if tag.endswith("_scan"):  # XLA graphs the body; its buffers keep their addresses

@@ -258,7 +258,7 @@ def run_graphs(mesh, arr, process, dump, executions=5):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config
+    from jaxoverlap import Config, runtime
 
     cfg = Config(backend="fused", timeout_s=60.0)
     ce = Config(backend="fused", comm_sms=0, timeout_s=60.0)
@@ -319,9 +319,13 @@ def run_graphs(mesh, arr, process, dump, executions=5):
                 ok = same and np.isfinite(got).all() and err < 5e-2
                 if dump:
                     np.save(os.path.join(dump, f"{name}.{process}.npy"), bits[0])
+                # copy-engine signals the driver refused as stream writes (kernels/ce.h): 0
+                ordinal = jax.local_devices()[0].local_hardware_id
+                fallbacks = runtime.stream_memop_caps(ordinal)["signal_fallbacks"]
                 print(
                     f"{name} {'OK' if ok else 'FAILED'} host_calls={calls} captured={captured} "
-                    f"device_calls={executions * steps} repeat_bitwise={same} rel_err={err:.1e}",
+                    f"device_calls={executions * steps} repeat_bitwise={same} rel_err={err:.1e} "
+                    f"signal_fallbacks={fallbacks}",
                     flush=True,
                 )
             except Exception as e:  # report every case

@@ -16,7 +16,7 @@ mkdir -p "$OUT/obj-tile_live"
 obj=$BUILD/CMakeFiles/_native.dir/ffi
 objs=("$obj"/kernels/tile_rs_e*_w*.cu.o "$obj"/kernels/tile_rs.cu.o "$obj"/kernels/comm.cu.o
       "$obj"/kernels/fill.cu.o "$obj"/kernels/ce.cu.o "$obj"/runtime/gemm.cc.o
-      "$obj"/runtime/capture.cc.o "$obj"/runtime/tile_menu.cc.o)
+      "$obj"/runtime/capture.cc.o "$obj"/runtime/tile_menu.cc.o "$obj"/runtime/memops.cc.o)
 for o in "${objs[@]}"; do
   [[ -f $o ]] || { echo "missing $o: build the native extension first"; exit 1; }
 done
