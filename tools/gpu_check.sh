@@ -137,15 +137,16 @@ if ((TESTS)); then
     # inverted order's bounded deadlock, 1,000 runs under CONCURRENT), stream memory
     # operations and the copy-engine signal against a kernel holding every SM
     # (test_stream_memops_gpu.py) and command buffers re-recorded in one process only
-    # (test_command_buffer_rerecord_gpu.py). GPU_CHECK_TESTS_K=
+    # (test_command_buffer_rerecord_gpu.py), and the reduce-push beside a kernel holding most SMs
+    # (test_reduce_push_occupier_gpu.py, issue 26 R6). GPU_CHECK_TESTS_K=
     # "not bitwise" adds the second set of shapes (test_ops_across_processes_other_shapes).
     echo "one GPU: running the tests that one GPU can run (two processes sharing it, the GEMM search)"
     step gpu-tests-one-gpu "${GPU_CHECK_TESTS_S:-380}" env JAXOVERLAP_REQUIRE_GPU=1 \
       XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest tests/gpu/test_xproc_gpu.py \
       tests/gpu/test_gemm_search_gpu.py tests/gpu/test_device_context_gpu.py \
       tests/gpu/test_explain_gpu.py tests/gpu/test_order_gpu.py tests/gpu/test_stream_memops_gpu.py \
-      tests/gpu/test_command_buffer_rerecord_gpu.py -q -p no:cacheprovider -rA \
-      -k "${GPU_CHECK_TESTS_K:-not bitwise and not other_shapes}"
+      tests/gpu/test_command_buffer_rerecord_gpu.py tests/gpu/test_reduce_push_occupier_gpu.py \
+      -q -p no:cacheprovider -rA -k "${GPU_CHECK_TESTS_K:-not bitwise and not other_shapes}"
   fi
 fi
 if ((GEMM_PROBE)); then
