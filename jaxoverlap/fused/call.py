@@ -33,6 +33,7 @@ import os
 
 import jax
 from jax._src import core
+from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology, xproc
@@ -103,11 +104,30 @@ def fused_effects():
     return FUSED_EFFECTS if ORDER_CALLS else core.no_effects
 
 
+# How `emit` ties a call to the order token while the order is on: "token", the token as the
+# custom call's last operand and result (the `_v2` targets), or "barrier", the `_v1` call with
+# its operands and the token through one optimization barrier before it and the token and its
+# results through one after it (`_barrier`).
+ORDER_FORM = "token"
+
+
+def _token_operand():
+    """Whether a call lowered now takes the order token as an operand (a `_v2` target)."""
+    return bool(fused_effects()) and ORDER_FORM == "token"
+
+
 def emitted(target):
     """The name a call of ``target`` (a `targets` constant, ``_v2``) has in the compiled HLO now:
-    ``target`` while the order token is on (`ORDER_CALLS`), else its ``_v1`` twin (`emit`).
-    Tests and tools that look for a fused call in HLO text look for this name."""
-    return target if fused_effects() else targets.v1(target)
+    ``target`` while the order token is an operand of the call (`ORDER_CALLS`, `ORDER_FORM`),
+    else its ``_v1`` twin (`emit`). Tests and tools that look for a fused call in HLO text look
+    for this name."""
+    return target if _token_operand() else targets.v1(target)
+
+
+def _barrier(values):
+    """``values`` through one ``stablehlo.optimization_barrier``: each result depends on all of
+    them, and XLA removes the barrier only after scheduling (OptimizationBarrierExpander)."""
+    return list(hlo.OptimizationBarrierOp(list(values)).results)
 
 
 class FusedUnavailable(Exception):
@@ -321,15 +341,16 @@ def row_spec(ctx, params, target, comm_sms, chunks, workspace, **attrs):
 
 def emit(ctx, table, spec, *operands):
     """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`);
-    returns its results (without the scratch). With the order token on (`ORDER_CALLS`), ordered
-    after the previous fused call of the device and before the next (the token: last operand,
-    last result; ``ctx``'s rule outputs the call's token), on the `_v2` target or its ``_knobs``
-    twin; off (the default), on the `_v1` target, which takes no token and carries the knobs on
-    every call, as before issue 26."""
+    returns its results (without the scratch). With the order on (`ORDER_CALLS`), ordered after
+    the previous fused call of the device and before the next (``ctx``'s rule outputs a token
+    that depends on the call), as `ORDER_FORM` says: the token as the last operand and result
+    of the `_v2` target or its ``_knobs`` twin, or the `_v1` call between two optimization
+    barriers with the token. Off (the default), on the `_v1` target, which takes no token and
+    carries the knobs on every call, as before issue 26."""
     runtime.register_targets()
     knobs = knob_attrs(spec.target)
-    ordered = bool(fused_effects())
-    if ordered:
+    ordered, token_operand = bool(fused_effects()), _token_operand()
+    if token_operand:
         target = targets.with_knobs(spec.target) if knobs else spec.target
     else:
         spec = dataclasses.replace(spec, kind=(targets.v1(spec.target), *spec.kind[1:]))
@@ -339,7 +360,7 @@ def emit(ctx, table, spec, *operands):
         table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
     )
     attrs.update(**knobs, **spec.attrs)
-    token = [core.abstract_token] if ordered else []
+    token = [core.abstract_token] if token_operand else []
     inner = ctx.replace(
         avals_in=[*ctx.avals_in, *token], avals_out=[*ctx.avals_out, *spec.scratch, *token]
     )
@@ -351,6 +372,11 @@ def emit(ctx, table, spec, *operands):
     if not ordered:
         return list(lowering(inner, *operands, **attrs))[: len(ctx.avals_out)]
     tok, set_token_out = _thread_token(ctx)
-    results = list(lowering(inner, *operands, tok, **attrs))
-    set_token_out(results[-1])
+    if token_operand:
+        results = list(lowering(inner, *operands, tok, **attrs))
+        set_token_out(results[-1])
+    else:
+        *operands, tok = _barrier([*operands, tok])
+        results = list(lowering(inner, *operands, **attrs))
+        set_token_out(_barrier([tok, *results])[0])
     return results[: len(ctx.avals_out)]
