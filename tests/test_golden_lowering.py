@@ -411,6 +411,10 @@ def test_golden_covers_every_case_and_target():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lowering_matches_golden(lowering_only, monkeypatch, case):
+    """The order's token form (ORDER_FORM="token"): the `_v2` targets, token last."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_FORM", "token")
     _patch(monkeypatch, "tuned", lambda *a: None)  # off GPU it is None anyway; made explicit
     _patch(monkeypatch, "AUTO_NEW_KERNELS", False)
     got = _record(CASES[case](monkeypatch))
@@ -461,7 +465,7 @@ def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_barrier_form_calls_are_the_v1_contract(lowering_only, monkeypatch, case):
-    """The order's barrier form (jaxoverlap/fused/call.py ORDER_FORM="barrier") changes nothing
+    """The order's barrier form (jaxoverlap/fused/call.py ORDER_FORM, the default) changes nothing
     the handlers receive: each case emits as many calls as with the token (custom_calls.json),
     and the ``_v1`` golden file's calls among them exactly (the order off, JAX drops a fused call
     whose results are unused, as in a grad that needs no forward values; an effect keeps it);

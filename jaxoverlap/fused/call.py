@@ -13,12 +13,13 @@ none, D17). No other module of the package emits one (tests/test_structure.py ch
 **Order (issue 26, R2).** Every fused primitive has the `FusedOrder` effect, registered with JAX
 as ordered and shardable: JAX threads one token per device through the ordered effects of a
 program -- across jit, scan, while, cond, shard_map, remat and custom derivatives -- and `emit`
-passes it to the custom call as its last operand and takes the call's last result (a token) as
-the next one. So XLA's schedulers see a data edge from each fused call of a device to the next,
-in program order, and every process runs its fused calls in that order (a reordering of two
-calls on one GPU against their order on a peer would wait out the timeout: tile kernels take
-the whole device). Tokens order nothing inside CONCURRENT command buffers, which the targets
-are then kept out of (`jaxoverlap.runtime.register_targets`).
+makes the call depend on it and the next token depend on the call (`ORDER_FORM`: through two
+optimization barriers, or as the call's last operand and result). So XLA's schedulers see a
+data edge from each fused call of a device to the next, in program order, and every process
+runs its fused calls in that order (a reordering of two calls on one GPU against their order on
+a peer would wait out the timeout: tile kernels take the whole device). The order is opt-in
+(`ORDER_CALLS`). It orders nothing inside CONCURRENT command buffers (no buffer carries it),
+which the targets are then kept out of (`jaxoverlap.runtime.register_targets`).
 
 Also here: the group table of a call's mesh (`_group_table`, which also decides whether the
 devices can run the fused kernels at all) and the custom call's row layout (`rows_major`).
@@ -104,11 +105,18 @@ def fused_effects():
     return FUSED_EFFECTS if ORDER_CALLS else core.no_effects
 
 
-# How `emit` ties a call to the order token while the order is on: "token", the token as the
-# custom call's last operand and result (the `_v2` targets), or "barrier", the `_v1` call with
-# its operands and the token through one optimization barrier before it and the token and its
-# results through one after it (`_barrier`).
-ORDER_FORM = "token"
+# How `emit` ties a call to the order token while the order is on. "barrier" (the default): the
+# `_v1` call, its first operand passed through an optimization barrier with the token, and the
+# token through one with its first result after it (`_barrier`): the call waits for the token,
+# the next token for the call; XLA keeps the barriers through scheduling and removes them after
+# (OptimizationBarrierExpander), so they cost nothing at run time. "token": the token as the
+# custom call's last operand and result (the `_v2` targets). jaxlib 0.11.2's XLA cannot compile
+# the token form in a loop: its DynamicSliceFusionRewriter wraps a call whose operand is a slice
+# of a loop's stacked array (the layer scan's weights) into a custom fusion, token included, and
+# PriorityFusion's cost analysis then fails on the token ("Check failed: shape.IsArray() ||
+# shape.IsTuple()" in ShapeUtil::ElementsInRecursive from
+# GpuHloCostAnalysis::FusionCalculateUtilizations; one H200, 2026-12-02, docs/measurements.md).
+ORDER_FORM = "barrier"
 
 
 def _token_operand():
@@ -345,7 +353,8 @@ def emit(ctx, table, spec, *operands):
     the previous fused call of the device and before the next (``ctx``'s rule outputs a token
     that depends on the call), as `ORDER_FORM` says: the token as the last operand and result
     of the `_v2` target or its ``_knobs`` twin, or the `_v1` call between two optimization
-    barriers with the token. Off (the default), on the `_v1` target, which takes no token and
+    barriers with the token (its first operand through the one before, its first result through
+    the one after). Off (the default), on the `_v1` target, which takes no token and
     carries the knobs on every call, as before issue 26."""
     runtime.register_targets()
     knobs = knob_attrs(spec.target)
@@ -376,7 +385,7 @@ def emit(ctx, table, spec, *operands):
         results = list(lowering(inner, *operands, tok, **attrs))
         set_token_out(results[-1])
     else:
-        *operands, tok = _barrier([*operands, tok])
-        results = list(lowering(inner, *operands, **attrs))
-        set_token_out(_barrier([tok, *results])[0])
+        first, tok = _barrier([operands[0], tok])
+        results = list(lowering(inner, first, *operands[1:], **attrs))
+        set_token_out(_barrier([tok, results[0]])[0])
     return results[: len(ctx.avals_out)]

@@ -131,8 +131,8 @@ def main(process, nproc, port, gpu, mode):
         return [np.asarray(s.data).view(np.uint16) for o in outs for s in o.addressable_shards]
 
     # Compiled ahead of time (no compilation inside the timed runs; `FusedDispatch` keeps the
-    # order token on every call), the inverted program in the inverting process too, then a
-    # barrier: neither process's first call waits for the other's compilation.
+    # order token on every call), the inverted program too, then a barrier: neither process's
+    # first call waits for the other's compilation.
     f = program(False).lower(*args).compile()
     targets = (fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(fused.AG_GEMM_TARGET))
     if targets[0].endswith("_v2"):  # the token through the call: its edge
@@ -140,7 +140,11 @@ def main(process, nproc, port, gpu, mode):
     else:  # the barrier form: XLA drops the barriers after scheduling; the schedule remains
         hlo_order(f.as_text(), targets)
     inverted = mode == "graphs" and os.environ.get("ORDER_INVERTED") == str(process)
-    g = program(True).lower(*args).compile() if inverted else f
+    # Every process compiles the inverted program too: XLA shards a program's autotuning across
+    # the processes that compile it (the key-value store), so one compiling alone waits for the
+    # others' shares forever (run 57's hang: the inverting process, in XLA's compiler).
+    g = program(True).lower(*args).compile() if mode == "graphs" else f
+    g = g if inverted else f
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)

@@ -20,7 +20,7 @@ import sys
 def _apply_form():
     from jaxoverlap.fused import call
 
-    form = os.environ.get("ORDER_FORM", "token")
+    form = os.environ.get("ORDER_FORM", "barrier")
     call.ORDER_FORM = "token" if form == "token" else "barrier"
     if form == "bypass":
         call._barrier = list
