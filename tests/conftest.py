@@ -41,13 +41,15 @@ def lowering_only(monkeypatch, native_ok):
 
 @pytest.fixture(autouse=True)
 def _order_calls(request, monkeypatch):
-    """The CPU tests lower with the order token on (issue 26 R2; opt-in, off by default:
-    jaxoverlap/fused/call.py ORDER_CALLS), their subprocesses too;
-    tests/test_golden_lowering.py::test_default_lowering_is_the_v1_contract checks the default.
-    GPU tests (tests/gpu) run the default."""
+    """The CPU tests lower with the order on (issue 26 R2; opt-in, off by default:
+    jaxoverlap/fused/call.py ORDER_CALLS), their subprocesses too, in its token form (the `_v2`
+    targets and their knob twins, which the lowering tests name); tests/test_order.py and
+    tests/test_golden_lowering.py cover the barrier form (the form the order takes, ORDER_FORM)
+    and the default (the order off). GPU tests (tests/gpu) run the default."""
     if os.sep + "gpu" + os.sep in str(request.node.fspath):
         return
     from jaxoverlap.fused import call
 
     monkeypatch.setattr(call, "ORDER_CALLS", True)
+    monkeypatch.setattr(call, "ORDER_FORM", "token")
     monkeypatch.setenv("JAXOVERLAP_ORDER_CALLS", "1")

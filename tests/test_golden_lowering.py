@@ -411,6 +411,10 @@ def test_golden_covers_every_case_and_target():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lowering_matches_golden(lowering_only, monkeypatch, case):
+    """The order's token form (ORDER_FORM="token"): the `_v2` targets, token last."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_FORM", "token")
     _patch(monkeypatch, "tuned", lambda *a: None)  # off GPU it is None anyway; made explicit
     _patch(monkeypatch, "AUTO_NEW_KERNELS", False)
     got = _record(CASES[case](monkeypatch))
@@ -457,3 +461,25 @@ def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
         assert c["target"].endswith("_v1") and "!stablehlo.token" not in c["operands"], c
         # the name tests and tools look for in HLO text (fused.emitted) is the emitted one
         assert jaxoverlap.fused.emitted(c["target"][: -len("_v1")] + "_v2") == c["target"], c
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_barrier_form_calls_are_the_v1_contract(lowering_only, monkeypatch, case):
+    """The order's barrier form (jaxoverlap/fused/call.py ORDER_FORM, the default) changes nothing
+    the handlers receive: each case emits as many calls as with the token (custom_calls.json),
+    and the ``_v1`` golden file's calls among them exactly (the order off, JAX drops a fused call
+    whose results are unused, as in a grad that needs no forward values; an effect keeps it);
+    the order is two optimization barriers per call around it, the token in each."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_FORM", "barrier")
+    _patch(monkeypatch, "tuned", lambda *a: None)
+    _patch(monkeypatch, "AUTO_NEW_KERNELS", False)
+    text = CASES[case](monkeypatch)
+    got = _record(text)["calls"]
+    assert len(got) == len(_load()[case]["calls"])
+    want = json.loads(GOLDEN_V1.read_text())[case]["calls"]
+    it = iter(got)
+    assert all(any(c == w for c in it) for w in want), "the v1 calls are not among them"
+    barriers = [ln for ln in text.splitlines() if "stablehlo.optimization_barrier" in ln]
+    assert len(barriers) == 2 * len(got) and all("!stablehlo.token" in ln for ln in barriers)

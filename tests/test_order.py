@@ -165,6 +165,44 @@ def _terminator(region):
     return list(region.blocks[0].operations)[-1]
 
 
+def _barrier_after(call):
+    """The optimization barrier that takes ``call``'s results after the order token (the
+    "barrier" form, `jaxoverlap.fused.call.ORDER_FORM`), or None."""
+    for r in call.results:
+        for use in r.uses:
+            op = use.owner
+            if _name(op) == "stablehlo.optimization_barrier" and _is_barrier_after(op):
+                return op
+    return None
+
+
+def _is_barrier_after(barrier):
+    """Whether ``barrier`` is a fused call's barrier after it: the token and the call's first
+    result."""
+    operands = list(barrier.operands)
+    if len(operands) != 2 or str(operands[0].type) != "!stablehlo.token":
+        return False
+    first = operands[1]
+    return not isinstance(first, ir.BlockArgument) and _is_fused(first.owner)
+
+
+def call_tokens(call):
+    """(the order token ``call`` consumes, the token it produces), in either form: the call's
+    last operand and result (``token``), or the token beside its first operand in the barrier
+    before it and the first result of the barrier after it (``barrier``)."""
+    if str(call.operands[len(call.operands) - 1].type) == "!stablehlo.token":
+        assert str(call.results[len(call.results) - 1].type) == "!stablehlo.token"
+        return call.operands[len(call.operands) - 1], call.results[len(call.results) - 1]
+    before = call.operands[0].owner
+    assert _name(before) == "stablehlo.optimization_barrier", "no order token before the call"
+    assert len(before.operands) == 2, "the barrier before the call: its first operand, the token"
+    tok = before.operands[1]
+    assert str(tok.type) == "!stablehlo.token", "the barrier before the call has no token"
+    after = _barrier_after(call)
+    assert after is not None, "no barrier with the order token after the call"
+    return tok, after.results[0]
+
+
 def token_sources(module):
     """{fused call: the fused calls (or "entry") whose token reaches its token operand through
     token plumbing alone: region arguments and results, returns, calls}; and the calls."""
@@ -215,14 +253,14 @@ def token_sources(module):
             callee = funcs[str(op.attributes["callee"]).strip('@"')]
             return from_value(_terminator(callee.regions[0]).operands[r], seen)
         if name == "stablehlo.optimization_barrier":
+            if r == 0 and _is_barrier_after(op):  # the token after a fused call (barrier form)
+                return {op.operands[1].owner}
             return from_value(op.operands[r], seen)
         raise AssertionError(f"a token from {name}: not a chain")
 
     sources = {}
     for c in calls:
-        tok = c.operands[len(c.operands) - 1]
-        assert str(tok.type) == "!stablehlo.token", f"last operand of {c} is not a token"
-        assert str(c.results[len(c.results) - 1].type) == "!stablehlo.token"
+        tok, _ = call_tokens(c)
         sources[c] = from_value(tok, set())
     return sources, calls
 
@@ -249,7 +287,25 @@ def chain(f, *args):
     return [_target(c) for c in order], sources
 
 
+def _operand(call, i):
+    """``call``'s operand ``i`` as the program computed it (before the barrier of the barrier
+    form)."""
+    v = call.operands[i]
+    if not isinstance(v, ir.BlockArgument) and _name(v.owner) == "stablehlo.optimization_barrier":
+        return v.owner.operands[v.result_number]
+    return v
+
+
 # ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(params=["token", "barrier"])
+def form(request, monkeypatch, lowering_only):
+    """Both ways `emit` ties a call to the order token (jaxoverlap/fused/call.py ORDER_FORM)."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_FORM", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -276,12 +332,13 @@ def test_every_fused_primitive_has_the_effect(lowering_only):
     assert fused.FusedOrder in {type(e) for e in jax.make_jaxpr(g)(x).effects}
 
 
-def test_top_level_calls_chain_in_program_order(lowering_only):
+def test_top_level_calls_chain_in_program_order(form):
     order, _ = chain(_fn(three_calls(fused_ops(FUSED))), *_args())
-    assert order == [fused.GEMM_RS_TARGET, fused.GEMM_RS_TARGET, fused.AG_GEMM_TARGET]
+    rs, ag = fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(fused.AG_GEMM_TARGET)
+    assert order == [rs, rs, ag]
 
 
-def test_independent_calls_are_ordered_by_the_token_alone(lowering_only):
+def test_independent_calls_are_ordered_by_the_token_alone(form):
     """Two calls with no data between them: the second still takes the first's token, and
     their operand shapes say which is which (x, then 2 * x: the program's order)."""
     module = _module(_fn(three_calls(fused_ops(FUSED))), *_args())
@@ -289,11 +346,11 @@ def test_independent_calls_are_ordered_by_the_token_alone(lowering_only):
     a, b, c = calls
     assert sources[a] == {"entry"} and sources[b] == {a} and sources[c] == {b}
     # a's x operand is the argument itself; b's is 2 * x, computed after the argument.
-    assert isinstance(a.operands[0], ir.BlockArgument)
-    assert not isinstance(b.operands[0], ir.BlockArgument)
+    assert isinstance(_operand(a, 0), ir.BlockArgument)
+    assert not isinstance(_operand(b, 0), ir.BlockArgument)
 
 
-def test_scan_threads_the_token_through_its_carry(lowering_only):
+def test_scan_threads_the_token_through_its_carry(form):
     module = _module(_fn(scanned(fused_ops(FUSED))), *_args())
     sources, (before, body, after) = token_sources(module)  # in the module's order
     assert "stablehlo.while" in str(body.operation.parent.parent)
@@ -302,27 +359,31 @@ def test_scan_threads_the_token_through_its_carry(lowering_only):
     assert sources[after] == {body}
 
 
-def test_cond_branches_pass_the_token(lowering_only):
+def test_cond_branches_pass_the_token(form):
     module = _module(_fn(conditional(fused_ops(FUSED))), *_args())
     sources, (first, branch, last) = token_sources(module)
     assert sources[first] == {"entry"} and sources[branch] == {first}
     assert sources[last] == {first, branch}  # through the branch with a call, or the other
 
 
-def test_remat_and_grad_chain_forward_and_backward_calls(lowering_only):
+def test_remat_and_grad_chain_forward_and_backward_calls(form):
     """grad of a rematted layer: forward calls, the recomputation and the backward's calls, all
     on one chain through the shard_maps of the forward and the backward."""
     order, _ = chain(_grad(_fn(rematted(fused_ops(FUSED)))), *_args())
     assert len(order) >= 4, order
-    assert order[:2] == [fused.GEMM_RS_TARGET, fused.AG_GEMM_KEEP_TARGET], order
-    assert fused.DGRAD_RS_WGRAD_TARGET in order or fused.GEMM_RS_TARGET in order[2:], order
+    rs, keep = fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(fused.AG_GEMM_KEEP_TARGET)
+    assert order[:2] == [rs, keep], order
+    assert fused.emitted(fused.DGRAD_RS_WGRAD_TARGET) in order or rs in order[2:], order
     order, _ = chain(_grad(_fn(straight(fused_ops(FUSED)))), *_args())
-    assert order[0] == fused.GEMM_RS_TARGET and len(order) >= 4, order
+    assert order[0] == rs and len(order) >= 4, order
 
 
-def test_knobs_reach_only_their_twin_targets(lowering_only):
+def test_knobs_reach_only_their_twin_targets(lowering_only, monkeypatch):
     """D17: the production _v2 call carries no test knob; under a knob the call goes to the
-    target's _knobs twin with both knob attributes."""
+    target's _knobs twin with both knob attributes (the token form's targets)."""
+    from jaxoverlap.fused import call
+
+    monkeypatch.setattr(call, "ORDER_FORM", "token")
     f = jax.jit(_fn(three_calls(fused_ops(FUSED))))
     text = f.trace(*_args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "stall_rank" not in text and "profile" not in text and "_knobs" not in text

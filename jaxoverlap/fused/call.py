@@ -13,12 +13,13 @@ none, D17). No other module of the package emits one (tests/test_structure.py ch
 **Order (issue 26, R2).** Every fused primitive has the `FusedOrder` effect, registered with JAX
 as ordered and shardable: JAX threads one token per device through the ordered effects of a
 program -- across jit, scan, while, cond, shard_map, remat and custom derivatives -- and `emit`
-passes it to the custom call as its last operand and takes the call's last result (a token) as
-the next one. So XLA's schedulers see a data edge from each fused call of a device to the next,
-in program order, and every process runs its fused calls in that order (a reordering of two
-calls on one GPU against their order on a peer would wait out the timeout: tile kernels take
-the whole device). Tokens order nothing inside CONCURRENT command buffers, which the targets
-are then kept out of (`jaxoverlap.runtime.register_targets`).
+makes the call depend on it and the next token depend on the call (`ORDER_FORM`: through two
+optimization barriers, or as the call's last operand and result). So XLA's schedulers see a
+data edge from each fused call of a device to the next, in program order, and every process
+runs its fused calls in that order (a reordering of two calls on one GPU against their order on
+a peer would wait out the timeout: tile kernels take the whole device). The order is opt-in
+(`ORDER_CALLS`). It orders nothing inside CONCURRENT command buffers (no buffer carries it),
+which the targets are then kept out of (`jaxoverlap.runtime.register_targets`).
 
 Also here: the group table of a call's mesh (`_group_table`, which also decides whether the
 devices can run the fused kernels at all) and the custom call's row layout (`rows_major`).
@@ -33,6 +34,7 @@ import os
 
 import jax
 from jax._src import core
+from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 
 from jaxoverlap import runtime, topology, xproc
@@ -103,11 +105,37 @@ def fused_effects():
     return FUSED_EFFECTS if ORDER_CALLS else core.no_effects
 
 
+# How `emit` ties a call to the order token while the order is on. "barrier" (the default): the
+# `_v1` call, its first operand passed through an optimization barrier with the token, and the
+# token through one with its first result after it (`_barrier`): the call waits for the token,
+# the next token for the call; XLA keeps the barriers through scheduling and removes them after
+# (OptimizationBarrierExpander), so they cost nothing at run time. "token": the token as the
+# custom call's last operand and result (the `_v2` targets). jaxlib 0.11.2's XLA cannot compile
+# the token form in a loop: its DynamicSliceFusionRewriter wraps a call whose operand is a slice
+# of a loop's stacked array (the layer scan's weights) into a custom fusion, token included, and
+# PriorityFusion's cost analysis then fails on the token ("Check failed: shape.IsArray() ||
+# shape.IsTuple()" in ShapeUtil::ElementsInRecursive from
+# GpuHloCostAnalysis::FusionCalculateUtilizations; one H200, 2026-12-02, docs/measurements.md).
+ORDER_FORM = "barrier"
+
+
+def _token_operand():
+    """Whether a call lowered now takes the order token as an operand (a `_v2` target)."""
+    return bool(fused_effects()) and ORDER_FORM == "token"
+
+
 def emitted(target):
     """The name a call of ``target`` (a `targets` constant, ``_v2``) has in the compiled HLO now:
-    ``target`` while the order token is on (`ORDER_CALLS`), else its ``_v1`` twin (`emit`).
-    Tests and tools that look for a fused call in HLO text look for this name."""
-    return target if fused_effects() else targets.v1(target)
+    ``target`` while the order token is an operand of the call (`ORDER_CALLS`, `ORDER_FORM`),
+    else its ``_v1`` twin (`emit`). Tests and tools that look for a fused call in HLO text look
+    for this name."""
+    return target if _token_operand() else targets.v1(target)
+
+
+def _barrier(values):
+    """``values`` through one ``stablehlo.optimization_barrier``: each result depends on all of
+    them, and XLA removes the barrier only after scheduling (OptimizationBarrierExpander)."""
+    return list(hlo.OptimizationBarrierOp(list(values)).results)
 
 
 class FusedUnavailable(Exception):
@@ -321,15 +349,17 @@ def row_spec(ctx, params, target, comm_sms, chunks, workspace, **attrs):
 
 def emit(ctx, table, spec, *operands):
     """The custom call ``spec`` on ``operands`` for the group ``table`` (`_group_table`);
-    returns its results (without the scratch). With the order token on (`ORDER_CALLS`), ordered
-    after the previous fused call of the device and before the next (the token: last operand,
-    last result; ``ctx``'s rule outputs the call's token), on the `_v2` target or its ``_knobs``
-    twin; off (the default), on the `_v1` target, which takes no token and carries the knobs on
-    every call, as before issue 26."""
+    returns its results (without the scratch). With the order on (`ORDER_CALLS`), ordered after
+    the previous fused call of the device and before the next (``ctx``'s rule outputs a token
+    that depends on the call), as `ORDER_FORM` says: the token as the last operand and result
+    of the `_v2` target or its ``_knobs`` twin, or the `_v1` call between two optimization
+    barriers with the token (its first operand through the one before, its first result through
+    the one after). Off (the default), on the `_v1` target, which takes no token and
+    carries the knobs on every call, as before issue 26."""
     runtime.register_targets()
     knobs = knob_attrs(spec.target)
-    ordered = bool(fused_effects())
-    if ordered:
+    ordered, token_operand = bool(fused_effects()), _token_operand()
+    if token_operand:
         target = targets.with_knobs(spec.target) if knobs else spec.target
     else:
         spec = dataclasses.replace(spec, kind=(targets.v1(spec.target), *spec.kind[1:]))
@@ -339,7 +369,7 @@ def emit(ctx, table, spec, *operands):
         table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
     )
     attrs.update(**knobs, **spec.attrs)
-    token = [core.abstract_token] if ordered else []
+    token = [core.abstract_token] if token_operand else []
     inner = ctx.replace(
         avals_in=[*ctx.avals_in, *token], avals_out=[*ctx.avals_out, *spec.scratch, *token]
     )
@@ -351,6 +381,11 @@ def emit(ctx, table, spec, *operands):
     if not ordered:
         return list(lowering(inner, *operands, **attrs))[: len(ctx.avals_out)]
     tok, set_token_out = _thread_token(ctx)
-    results = list(lowering(inner, *operands, tok, **attrs))
-    set_token_out(results[-1])
+    if token_operand:
+        results = list(lowering(inner, *operands, tok, **attrs))
+        set_token_out(results[-1])
+    else:
+        first, tok = _barrier([operands[0], tok])
+        results = list(lowering(inner, first, *operands[1:], **attrs))
+        set_token_out(_barrier([tok, results[0]])[0])
     return results[: len(ctx.avals_out)]

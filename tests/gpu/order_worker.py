@@ -26,7 +26,9 @@ thunks in a row for XLA to build a command buffer). Prints ``<tag> OK ...`` or `
   kept out of the concurrent graphs (no handler call under capture: they ran as ordinary thunks
   in program order, jaxoverlap.runtime.command_buffers).
 
-Every mode first prints ``hlo_chain``: the token edge from A to B in XLA's optimized HLO.
+Every mode first prints ``hlo_chain``: the token edge from A to B in XLA's optimized HLO (the
+token form, jaxoverlap/fused/call.py ORDER_FORM), or A before B in its schedule (the barrier
+form: XLA removes the barriers after scheduling).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def main(process, nproc, port, gpu, mode):
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
-    from jaxoverlap import Config, runtime
+    from jaxoverlap import Config, fused, runtime
 
     timeout_s = 3.0 if mode == "graphs" else 60.0  # graphs: then the inversion, bounded
     # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
@@ -129,12 +131,20 @@ def main(process, nproc, port, gpu, mode):
         return [np.asarray(s.data).view(np.uint16) for o in outs for s in o.addressable_shards]
 
     # Compiled ahead of time (no compilation inside the timed runs; `FusedDispatch` keeps the
-    # order token on every call), the inverted program in the inverting process too, then a
-    # barrier: neither process's first call waits for the other's compilation.
+    # order token on every call), the inverted program too, then a barrier: neither process's
+    # first call waits for the other's compilation.
     f = program(False).lower(*args).compile()
-    hlo_chain(f.as_text())
+    targets = (fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(fused.AG_GEMM_TARGET))
+    if targets[0].endswith("_v2"):  # the token through the call: its edge
+        hlo_chain(f.as_text())
+    else:  # the barrier form: XLA drops the barriers after scheduling; the schedule remains
+        hlo_order(f.as_text(), targets)
     inverted = mode == "graphs" and os.environ.get("ORDER_INVERTED") == str(process)
-    g = program(True).lower(*args).compile() if inverted else f
+    # Every process compiles the inverted program too: XLA shards a program's autotuning across
+    # the processes that compile it (the key-value store), so one compiling alone waits for the
+    # others' shares forever (run 57's hang: the inverting process, in XLA's compiler).
+    g = program(True).lower(*args).compile() if mode == "graphs" else f
+    g = g if inverted else f
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
@@ -244,6 +254,45 @@ def hlo_chain(text):
         for n, rest in defs.items():
             if "jaxoverlap_" in rest or any(n == tok for _, tok in calls.values()):
                 print("  hlo:", n, "=", rest[:400], flush=True)
+
+
+def execution_order(text):
+    """The jaxoverlap custom calls of an optimized (scheduled) HLO module in the order its thunks
+    run: the entry computation's instructions in order, a ``call`` or ``while`` expanded in
+    place (its callee or body once)."""
+    import re
+
+    comps, entry, comp = {}, None, None
+    for line in text.splitlines():
+        c = re.match(r"\s*(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$", line)
+        if c:
+            comp = c.group(2)
+            comps[comp] = []
+            entry = comp if c.group(1) else entry
+        elif comp is not None and " = " in line:
+            comps[comp].append(line)
+    order = []
+
+    def expand(name, depth=0):
+        for line in comps.get(name, []) if depth < 20 else []:
+            t = re.search(r'custom_call_target="(jaxoverlap_\w+)"', line)
+            if t and "custom-call(" in line:
+                order.append(t.group(1))
+            elif re.search(r" (call|while)\(", line):
+                callee = re.search(r"(?:to_apply|calls|body)=%?([\w.\-]+)", line)
+                if callee:
+                    expand(callee.group(1), depth + 1)
+
+    expand(entry)
+    return order
+
+
+def hlo_order(text, targets):
+    """The barrier form's order in XLA's optimized HLO: its schedule runs A then B, each once
+    per step (`execution_order`)."""
+    order = execution_order(text)
+    ok = len(order) >= 2 and order == list(targets) * (len(order) // 2)
+    print(f"hlo_chain {'OK' if ok else 'FAILED'} schedule={order}", flush=True)
 
 
 def run_graphs(f, args, rel_err, bits, steps, executions=8):

@@ -1,11 +1,11 @@
 """Issue 26, R2 on a GPU: the order of a device's fused calls (jaxoverlap/fused/call.py,
-`FusedOrder`: a token from each fused call to the next), with two processes sharing the GPUs
-(on a one-GPU machine both drive GPU 0; tests/gpu/order_worker.py):
+`FusedOrder`: a token from each fused call to the next, `ORDER_FORM`), with two processes
+sharing the GPUs (on a one-GPU machine both drive GPU 0; tests/gpu/order_worker.py):
 
 * command buffers on (``JAXOVERLAP_COMMAND_BUFFERS=1``, XLA's default LHS scheduling): two
-  token-chained calls in a scan body are recorded into a CUDA graph and replayed, values right and
-  bitwise repeatable -- jaxlib's XLA accepts the FFI order token inside command buffers -- and the
-  optimized HLO passes the first call's token result to the second;
+  ordered calls in a scan body are recorded into a CUDA graph and replayed, values right and
+  bitwise repeatable, and the optimized HLO runs them in program order (the barrier form, the
+  default: its schedule; the token form: the first call's token result passed to the second);
 * the order inverted in one process (the deadlock R2 is about, forced by a test-only inversion):
   it shows once, bounded by the timeout, as NaN and a `FusedCallError` naming the op; nobody
   hangs;
