@@ -76,3 +76,7 @@ def test_memory_probe_across_two_processes_cpu():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.count("7 calls, 0 wrong") == 2, out.stdout[-2000:]
     assert "MEMORY: PASSED" in out.stdout
+    # Process 0's table: every mark with both processes' rows (exchanged through the store).
+    marks = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("MEM ")]
+    assert marks == ["start", "fresh:1", "sizes:1", "sizes:2"], marks
+    assert all(ln.count(" ours ") == 2 for ln in out.stdout.splitlines() if ln.startswith("MEM "))

@@ -123,7 +123,8 @@ def classify(found, rules):
     return ours, excluded, api
 
 
-def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=()):
+def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=(),
+             sanitized=(0, 1)):  # fmt: skip
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,7 +154,9 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         cmd = [exe, "--tool", tool, "--target-processes", "all", "--print-limit", "200",
                "--log-file", log, *flags, *extra,
                sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode]  # fmt: skip
-        if p == 0:
+        if p not in sanitized:  # the peer runs plainly (--sanitized): its rank is real all the same
+            cmd = cmd[cmd.index(sys.executable) :]
+        if p == min(sanitized):
             print("$", " ".join(cmd), flush=True)
         procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env))
         files.append(stdout)
@@ -183,16 +186,24 @@ def main(argv=None):
     ap.add_argument("--kernels", default=None, help="instrument only kernels containing this")
     ap.add_argument("--tag", default="", help="a name for this run's log files")
     ap.add_argument("--extra", default="", help="more compute-sanitizer flags (one string)")
+    ap.add_argument(
+        "--sanitized",
+        default="0,1",
+        help="the processes run under the sanitizer (the others plainly, still real ranks)",
+    )
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     rules = exclusions()
+    sanitized = tuple(int(p) for p in a.sanitized.split(","))
     ok = True
     for tool in a.tools.split(","):
         logs, timed_out, dt = run_tool(
             tool, a.mode, a.out, a.deadline_s, a.timeout_s, a.only, a.kernels, a.tag,
-            a.extra.split(),
+            a.extra.split(), sanitized,
         )  # fmt: skip
         for p, (log, stdout) in enumerate(logs):
+            if p not in sanitized:
+                continue
             text = open(log).read() if os.path.exists(log) else ""
             printed = open(stdout).read()
             cases = re.findall(r"^(\S+) (OK|FAILED)", printed, re.M)

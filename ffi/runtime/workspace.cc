@@ -249,6 +249,42 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
   return "";
 }
 
+PoolStats pool_stats() {
+  std::vector<std::pair<bool, WsCell*>> cells;  // (exact, cell)
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [key, c] : g_workspaces) cells.emplace_back(key.exact, c.get());
+  }
+  PoolStats st;
+  st.flags_bytes = sizeof(Flags);
+  for (auto [exact, c] : cells) {
+    std::lock_guard<std::mutex> lock(c->mu);  // buffers and mappings change under it only
+    const Workspace* ws = c->obj.get();
+    if (!ws) continue;
+    const int64_t slots = (int64_t)(ws->n - 1) * ws->block_bytes;
+    ++st.workspaces;
+    st.exact += exact;
+    st.spanning += ws->spans;
+    st.block_bytes.push_back(ws->block_bytes);
+    for (int i = 0; i < ws->n; ++i) {
+      if (ws->ordinals[i] < 0) continue;  // another process's member
+      const Peers& p = ws->peers[i];
+      const int64_t own = (p.stage[i] ? slots : 0) + (p.flags[i] ? (int64_t)sizeof(Flags) : 0) +
+                          (ws->part[i] ? slots : 0) + (ws->acc[i] ? ws->block_bytes : 0) +
+                          (ws->gather[i] ? slots : 0);
+      st.own_bytes += own;
+      st.own_by_device[ws->ordinals[i]] += own;
+      if (ws->spans)
+        for (int j = 0; j < ws->n; ++j)
+          if (j != i && ws->imported[j])
+            st.mapped_bytes += (p.stage[j] ? slots : 0) +
+                               (p.flags[j] ? (int64_t)sizeof(Flags) : 0) +
+                               (p.gather[j] ? slots : 0);
+    }
+  }
+  return st;
+}
+
 int64_t memory_in_use(int ordinal) {
   DeviceGuard guard;
   size_t free_b = 0, total_b = 0;
