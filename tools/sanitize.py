@@ -18,7 +18,8 @@ line: an exclusion may name either (``kernel @ file:line``).
 ``--only``: the worker's cases by tag (XPROC_ONLY). ``--kernels``: instrument only kernels whose
 name contains this substring (``--kernel-name kns=...``; the others run uninstrumented): racecheck
 instruments ``jaxoverlap`` only by default -- cuBLASLt's kernels fully instrumented take ~10
-minutes, and excluding them by ``--kernel-name-exclude`` crashed the sanitizer (run 56).
+minutes. ``--sanitized 0``: only process 0 runs under the sanitizer, process 1 plainly (still a
+real rank). ``--extra``: more compute-sanitizer flags, one string (``--extra="--flag value"``).
 """
 
 from __future__ import annotations

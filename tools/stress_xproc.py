@@ -8,7 +8,9 @@ each step one fused call on that step's operands. The programs run in turn until
 calls were made. Every execution's shard is compared on the device with (a) a float32 NumPy
 reference of the whole problem that this process computes itself, and (b) the bits of the
 site's first execution (the fused kernels sum in a fixed order: equal inputs, equal bits).
-Device memory in use (cudaMemGetInfo) is sampled after the first round and at the end.
+Device memory in use (cudaMemGetInfo, the whole GPU) and jaxoverlap's workspace pool
+(`runtime.workspace_pool`: this process's workspaces, which must not change) are sampled after the
+first round and at the end.
 
 Prints per process ``STRESS-XPROC: PASSED`` or ``FAILED`` with the counts; exit status 0 when
 both processes passed.
@@ -142,6 +144,7 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
         built.append([tag, f, args, check, float(err0), 0, 0])
     jaxoverlap.check_errors()
     mem0 = 0 if cpu else runtime.memory_in_use(gpu)
+    pool0 = {} if cpu else runtime.workspace_pool()  # jaxoverlap's own: flat after round one
     done, t0, bad = steps * len(built), time.time(), []
     for b in built:
         if not b[4] <= 2e-2:
@@ -163,6 +166,8 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     jax.effects_barrier()
     dt = time.time() - t0
     mem1 = 0 if cpu else runtime.memory_in_use(gpu)
+    pool1 = {} if cpu else runtime.workspace_pool()
+    pool_flat = all(pool1.get(k) == pool0.get(k) for k in ("workspaces", "own_bytes"))
     try:
         jaxoverlap.check_errors()
         error = None
@@ -173,11 +178,15 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     print(
         f"process {process}: {done} fused calls over {len(built)} call sites in {dt:.1f} s "
         f"({(done - steps * len(built)) / max(dt, 1e-9):.0f} calls/s after set-up); memory in use "
-        f"{mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB; failed calls: {error or 'none'}"
+        f"{mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB (jaxoverlap's workspaces "
+        f"{pool0.get('own_bytes', 0) / 2**20:.1f} -> {pool1.get('own_bytes', 0) / 2**20:.1f} MiB "
+        f"in "
+        f"{pool0.get('workspaces', 0)} -> {pool1.get('workspaces', 0)}); failed calls: "
+        f"{error or 'none'}"
     )
     for m in bad:
         print("MISMATCH", m)
-    ok = not bad and error is None and mem1 - mem0 < 64 * 2**20
+    ok = not bad and error is None and mem1 - mem0 < 64 * 2**20 and pool_flat
     print(f"STRESS-XPROC process {process}:", "PASSED" if ok else "FAILED", flush=True)
     from jax._src import distributed
 
