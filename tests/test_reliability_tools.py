@@ -52,6 +52,17 @@ def test_sanitizer_exclusions_spare_our_kernels():
     assert not any(p.search("jaxoverlap::tma_push_kernel(jaxoverlap::CommArgs)") for p, _ in rules)
 
 
+def test_the_claim_ring_exclusion_names_its_two_source_lines_only():
+    rules = sanitize.exclusions()
+    ring = "jaxoverlap::tile::ClaimScheduler<(int)256, (int)2, (int)1, (bool)0>::"
+    for where in ("claim(unsigned int) @ tile_sched.cuh:181", "publish(unsigned int, int) @ "
+                  "tile_sched.cuh:150"):  # fmt: skip
+        assert any(p.search(ring + where) for p, _ in rules), where
+    for where in ("claim(unsigned int) @ tile_sched.cuh:182", "prefetch_peer_slabs(int) @ "
+                  "tile_sched.cuh:150", "claim(unsigned int)"):  # fmt: skip
+        assert not any(p.search(ring + where) for p, _ in rules), where
+
+
 def test_stress_across_two_processes_cpu():
     """Both processes build the ten call sites, run them in turn and check every execution
     against their own reference and the first execution's bits (reference path on CPU)."""

@@ -122,8 +122,16 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
   if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
     return cuda_error("cudaStreamCreate", e);
   cudaMemsetAsync(p.flags[i], 0, sizeof(Flags), s);
-  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h).
+  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h). And every
+  // other area, once, so that no byte of a workspace is ever undefined: each call writes what it
+  // reads of them first (cuBLASLt's GEMM the partials, the peers' pushes the gather staging), but
+  // compute-sanitizer's initcheck reported every comm-kernel load of the partials as a read of
+  // uninitialized memory after the GEMM had written them (issue 25, call D; the results were
+  // right): it apparently does not follow cuBLASLt's (TMA) stores.
   cudaMemsetAsync(p.stage[i], 0, (n - 1) * block_bytes, s);
+  if (ws->part[i]) cudaMemsetAsync(ws->part[i], 0, (n - 1) * block_bytes, s);
+  if (ws->acc[i]) cudaMemsetAsync(ws->acc[i], 0, block_bytes, s);
+  if (ws->gather[i]) cudaMemsetAsync(ws->gather[i], 0, (n - 1) * block_bytes, s);
   e = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
   if (e) return cuda_error("clearing the flags", e);
