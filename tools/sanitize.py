@@ -59,6 +59,9 @@ def exclusions(path=EXCLUDE):
     return out
 
 
+# Reports printed at most per process: enough that cuBLASLt's excluded ones cannot hide ours (in
+# call D a per-hazard racecheck log reached 200 within cuBLASLt's kernels alone).
+PRINT_LIMIT = "1000"
 # Kernels instrumented per tool unless --kernels says otherwise (None: all). None for racecheck
 # either: with any kernel filter (--kernel-name, --kernel-name-exclude) racecheck 2025.3.1 failed
 # ("Internal Sanitizer Error: failed to handle a hardware exception", then an illegal address in
@@ -160,7 +163,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         name = f"sanitize-{tool}{'-' + tag if tag else ''}-{mode}-p{p}"
         log = os.path.join(out, f"{name}.log")
         stdout = open(os.path.join(out, f"{name}.out"), "w")
-        cmd = [exe, "--tool", tool, "--target-processes", "all", "--print-limit", "200",
+        cmd = [exe, "--tool", tool, "--target-processes", "all", "--print-limit", PRINT_LIMIT,
                "--log-file", log, *flags, *extra,
                sys.executable, WORKER, str(p), "2", str(port), str(p % gpus), mode]  # fmt: skip
         if p not in sanitized:  # the peer runs plainly (--sanitized): its rank is real all the same
@@ -219,7 +222,7 @@ def main(argv=None):
             cases = re.findall(r"^(\S+) (OK|FAILED)", printed, re.M)
             failed = [c for c, s in cases if s == "FAILED"]
             ours, excluded, api = classify(findings(text), rules)
-            summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+            summary = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
             line_ok = not ours and not failed and cases and not timed_out
             print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
                   f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, sanitizer summary "
