@@ -15,9 +15,9 @@ kernels and every case of the worker reported OK; exit status 0 then. Each findi
 its kernel and, where the sanitizer gives one (the kernels are built with -lineinfo), its source
 line: an exclusion may name either (``kernel @ file:line``).
 
-``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes small``: the worker's smallest
-problem (1024 x 512 x 256; every case's code paths at 1/32 of the default's GEMM work), what a
-sanitizer run should use. ``--kernels``: instrument only kernels whose name contains this
+``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes``: the worker's problem, by default
+its smallest (``small``, 1024 x 512 x 256: every case's code paths at 1/32 of the GEMM work of
+``default``). ``--kernels``: instrument only kernels whose name contains this
 substring (``--kernel-name kns=...``; the others run uninstrumented) -- not under racecheck while
 cuBLASLt's kernels run (KERNELS says why). ``--sanitized 0``: only process 0 runs under the
 sanitizer, process 1 plainly (still a real rank). ``--extra``: more compute-sanitizer flags, one
@@ -196,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=300.0, help="Config.timeout_s")
     ap.add_argument("--only", default="", help="the worker's cases by tag, comma-separated")
     ap.add_argument("--kernels", default=None, help="instrument only kernels containing this")
-    ap.add_argument("--shapes", default="default", help="the worker's shapes (XPROC_SHAPES)")
+    ap.add_argument("--shapes", default="small", help="the worker's shapes (XPROC_SHAPES)")
     ap.add_argument("--tag", default="", help="a name for this run's log files")
     ap.add_argument("--extra", default="", help="more compute-sanitizer flags (one string)")
     ap.add_argument(
