@@ -233,8 +233,8 @@ def workspace_pool() -> dict:
     processes), ``own_bytes`` (device memory this process allocated for them; ``own_by_device``
     by CUDA ordinal), ``mapped_bytes`` (peers' buffers mapped by CUDA IPC: another process's
     memory), ``flags_bytes`` (one member's flag block) and ``block_bytes`` (each workspace's slot
-    bytes: its size class, or an exact workspace's size). Unlike `memory_in_use` it excludes
-    XLA's buffers and other processes."""
+    bytes: its size class, or an exact workspace's size); not counted, a workspace's 256-byte
+    abort ring. Unlike `memory_in_use` it excludes XLA's buffers and other processes."""
     mod = native()
     if mod is None:
         raise RuntimeError(_load_error)

@@ -203,7 +203,8 @@ int64_t memory_in_use(int ordinal);
 // process (staging, flags, partials, peer sum, gather staging of its members), by CUDA ordinal
 // in `own_by_device`; `mapped_bytes`, its peers' buffers mapped into this process by CUDA IPC
 // (another process's allocations, counted there); one entry of `block_bytes` per workspace (its
-// class, or an exact workspace's own size). `flags_bytes`: one member's flag block.
+// class, or an exact workspace's own size). `flags_bytes`: one member's flag block. Not counted:
+// a workspace's abort ring (kAbortSlots words).
 struct PoolStats {
   int workspaces = 0, exact = 0, spanning = 0;
   int64_t own_bytes = 0, mapped_bytes = 0, flags_bytes = 0;
