@@ -180,8 +180,7 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
         f"({(done - steps * len(built)) / max(dt, 1e-9):.0f} calls/s after set-up); memory in use "
         f"{mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB (jaxoverlap's workspaces "
         f"{pool0.get('own_bytes', 0) / 2**20:.1f} -> {pool1.get('own_bytes', 0) / 2**20:.1f} MiB "
-        f"in "
-        f"{pool0.get('workspaces', 0)} -> {pool1.get('workspaces', 0)}); failed calls: "
+        f"in {pool0.get('workspaces', 0)} -> {pool1.get('workspaces', 0)}); failed calls: "
         f"{error or 'none'}"
     )
     for m in bad:
