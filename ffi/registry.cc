@@ -414,6 +414,25 @@ NB_MODULE(_native, m) {
       },
       "(all, captured): host invocations of the fused handlers so far, and how many of them "
       "XLA was capturing into a CUDA graph (replays of a graph invoke nothing on the host).");
+  m.def(
+      "workspace_pool",
+      [] {
+        const jaxoverlap::PoolStats st = jaxoverlap::pool_stats();
+        nb::dict d, by_device;
+        d["workspaces"] = st.workspaces, d["exact"] = st.exact, d["spanning"] = st.spanning;
+        d["own_bytes"] = st.own_bytes, d["mapped_bytes"] = st.mapped_bytes;
+        d["flags_bytes"] = st.flags_bytes, d["block_bytes"] = st.block_bytes;
+        for (auto [ordinal, bytes] : st.own_by_device) by_device[nb::int_(ordinal)] = bytes;
+        d["own_by_device"] = by_device;
+        return d;
+      },
+      "What the workspace pool holds now, counted from its buffers (no CUDA call): workspaces, "
+      "exact, spanning; own_bytes (this process's allocations; own_by_device by CUDA ordinal), "
+      "mapped_bytes (peers' buffers mapped by CUDA IPC), flags_bytes (one member's flag block), "
+      "block_bytes (each workspace's size class, or an exact one's size).");
+  m.def("ws_size_class", &jaxoverlap::size_class, nb::arg("block_bytes"),
+        "The size class of a workspace block of `block_bytes` (ws_class.h): the slot bytes of "
+        "the shared workspace a call with that block gets.");
   m.def("memory_in_use", &jaxoverlap::memory_in_use,
         "Device memory in use on a CUDA ordinal (total - free, cudaMemGetInfo), bytes; -1 on error.");
   m.def(

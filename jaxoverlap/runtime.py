@@ -227,6 +227,29 @@ def memory_in_use(ordinal: int) -> int:
     return int(mod.memory_in_use(int(ordinal)))
 
 
+def workspace_pool() -> dict:
+    """What jaxoverlap's workspace pool holds in this process (docs/workspaces.md), counted from
+    its buffers: ``workspaces`` (``exact``: the tile schedule's, ``spanning``: groups over
+    processes), ``own_bytes`` (device memory this process allocated for them; ``own_by_device``
+    by CUDA ordinal), ``mapped_bytes`` (peers' buffers mapped by CUDA IPC: another process's
+    memory), ``flags_bytes`` (one member's flag block) and ``block_bytes`` (each workspace's slot
+    bytes: its size class, or an exact workspace's size); not counted, a workspace's 256-byte
+    abort ring. Unlike `memory_in_use` it excludes XLA's buffers and other processes."""
+    mod = native()
+    if mod is None:
+        raise RuntimeError(_load_error)
+    return dict(mod.workspace_pool())
+
+
+def size_class(block_bytes: int) -> int:
+    """The slot bytes of the shared workspace that a call with ``block_bytes``-byte blocks gets
+    (ffi/runtime/ws_class.h: the smallest of 2^k and 3 * 2^(k-1) that holds it, at least 64 KiB)."""
+    mod = native()
+    if mod is None:
+        raise RuntimeError(_load_error)
+    return int(mod.ws_size_class(int(block_bytes)))
+
+
 class FusedCallError(RuntimeError):
     """A fused call gave up: a cross-GPU wait timed out (a peer failed, stalled or ran another
     program) or a rank failed after its peers launched. The message names op, device, rank,

@@ -46,9 +46,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--memory",
         metavar="FRESH,SIZES[,MIB]",
-        help="instead: device memory over FRESH new jit call sites of 4 shapes (flat), then SIZES "
-        "call sites of distinct batch sizes (growth below MIB, default 1024; two processes; "
-        "issue 25 item 4, docs/workspaces.md)",
+        help="instead: memory over FRESH new jit call sites of 4 shapes, then SIZES call sites "
+        "of distinct batch sizes (two processes; issue 25 item 4, docs/workspaces.md): the whole "
+        "GPU's, XLA's and jaxoverlap's workspace pool's, the pool judged (flat, then one "
+        "workspace per new size class; MIB: also at most that many MiB per process)",
     )
     a = p.parse_args(argv)
     if a.processes:

@@ -8,7 +8,9 @@ each step one fused call on that step's operands. The programs run in turn until
 calls were made. Every execution's shard is compared on the device with (a) a float32 NumPy
 reference of the whole problem that this process computes itself, and (b) the bits of the
 site's first execution (the fused kernels sum in a fixed order: equal inputs, equal bits).
-Device memory in use (cudaMemGetInfo) is sampled after the first round and at the end.
+Device memory in use (cudaMemGetInfo, the whole GPU) and jaxoverlap's workspace pool
+(`runtime.workspace_pool`: this process's workspaces, which must not change) are sampled after the
+first round and at the end.
 
 Prints per process ``STRESS-XPROC: PASSED`` or ``FAILED`` with the counts; exit status 0 when
 both processes passed.
@@ -142,6 +144,7 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
         built.append([tag, f, args, check, float(err0), 0, 0])
     jaxoverlap.check_errors()
     mem0 = 0 if cpu else runtime.memory_in_use(gpu)
+    pool0 = {} if cpu else runtime.workspace_pool()  # jaxoverlap's own: flat after round one
     done, t0, bad = steps * len(built), time.time(), []
     for b in built:
         if not b[4] <= 2e-2:
@@ -163,6 +166,8 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     jax.effects_barrier()
     dt = time.time() - t0
     mem1 = 0 if cpu else runtime.memory_in_use(gpu)
+    pool1 = {} if cpu else runtime.workspace_pool()
+    pool_flat = all(pool1.get(k) == pool0.get(k) for k in ("workspaces", "own_bytes"))
     try:
         jaxoverlap.check_errors()
         error = None
@@ -173,11 +178,14 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     print(
         f"process {process}: {done} fused calls over {len(built)} call sites in {dt:.1f} s "
         f"({(done - steps * len(built)) / max(dt, 1e-9):.0f} calls/s after set-up); memory in use "
-        f"{mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB; failed calls: {error or 'none'}"
+        f"{mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB (jaxoverlap's workspaces "
+        f"{pool0.get('own_bytes', 0) / 2**20:.1f} -> {pool1.get('own_bytes', 0) / 2**20:.1f} MiB "
+        f"in {pool0.get('workspaces', 0)} -> {pool1.get('workspaces', 0)}); failed calls: "
+        f"{error or 'none'}"
     )
     for m in bad:
         print("MISMATCH", m)
-    ok = not bad and error is None and mem1 - mem0 < 64 * 2**20
+    ok = not bad and error is None and mem1 - mem0 < 64 * 2**20 and pool_flat
     print(f"STRESS-XPROC process {process}:", "PASSED" if ok else "FAILED", flush=True)
     from jax._src import distributed
 
@@ -185,16 +193,25 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
     return 0 if ok else 1
 
 
-def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024, backend="fused"):
-    """Issue 25 item 4: device memory as call sites multiply. Phase 1: ``fresh`` new jit
-    wrappers (each lowered and compiled anew) over 4 shapes of the fused reduce-scatter: memory
-    must stay flat after the first of each shape. Phase 2: ``sizes`` call sites, each a new
-    batch size (rows 256 * i): memory must grow by less than ``bound_mib`` MiB (the whole GPU's,
-    both processes; docs/workspaces.md: workspaces shared by size class hold ~2 x 112 MiB per
-    process at 200 sizes, one workspace per shape would hold ~2 x 2.5 GiB). Every call's shard is
-    checked: x filled with a value that changes from site to site, w with ones, so each element
-    is K times that value, exactly -- data left by another site's call (sites of other shapes
-    share workspaces now) would show. ``backend="xla"``: the harness on CPU processes (tests)."""
+def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=0, backend="fused"):
+    """Issue 25 item 4: memory as call sites multiply, with jaxoverlap's own share measured
+    apart. Phase 1: ``fresh`` new jit wrappers (each lowered and compiled anew) over 4 shapes of
+    the fused reduce-scatter. Phase 2: ``sizes`` call sites, each a new batch size (rows 256 * i,
+    blocks of 128 KiB * i). At each mark three numbers: the whole GPU's memory in use
+    (cudaMemGetInfo: both processes, XLA's buffers included), XLA's allocator in this process
+    (``memory_stats``: in use and reserved) and jaxoverlap's workspace pool in this process
+    (`runtime.workspace_pool`, counted from its buffers). Verdict on the pool, the quantity
+    docs/workspaces.md bounds: phase 1 adds no workspace and no byte; phase 2 adds exactly one
+    workspace per size class its blocks touch that the pool did not hold (`runtime.size_class`),
+    at exactly the bytes those classes' buffers take, and no more than the documented cap (per
+    area, 3.5x the class of the largest block; ``bound_mib`` > 0: also at most that many MiB).
+    The whole GPU and XLA are reported, not judged: XLA's allocator grows with the batch's own
+    inputs and outputs (rows 51200 x 512 bf16 is 50 MiB). Every call's shard is checked: x filled
+    with a value that changes from site to site, w with ones, so each element is K times that
+    value, exactly -- data left by another site's call (sites of other shapes share workspaces)
+    would show. ``backend="xla"``: the harness on CPU processes (tests; no pool, zeros)."""
+    import json
+
     import jax
 
     cpu = backend == "xla"
@@ -210,14 +227,18 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024, backe
         initialization_timeout=120,
     )
     import jax.numpy as jnp
+    from jax._src import distributed
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
     from jaxoverlap import runtime
 
+    kv = distributed.global_state.client
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    cfg = jaxoverlap.Config(backend=backend, timeout_s=60.0)
+    # The chunked schedule whatever a tuning cache says: its workspaces are shared by size class
+    # (the tile schedule's are one per shape, at most 32: docs/workspaces.md).
+    cfg = jaxoverlap.Config(backend=backend, timeout_s=60.0, schedule="chunked")
     spec_x, spec_w, spec_o = P(None, "tp"), P("tp", None), P("tp", None)
     calls, wrong = 0, []
 
@@ -250,38 +271,98 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=1024, backe
         if not (got == k * value).all():
             wrong.append((m, k, n, value, float(np.max(np.abs(got - k * value)))))
 
-    def in_use():
-        return 0 if cpu else runtime.memory_in_use(gpu)
+    device = jax.local_devices()[0]
+    t_start = time.time()
+
+    def sample(tag):
+        """This process's numbers now; process 0 prints both processes' side by side."""
+        pool = {} if cpu else runtime.workspace_pool()
+        stats = {} if cpu else (device.memory_stats() or {})
+        row = {
+            "whole": 0 if cpu else runtime.memory_in_use(gpu),
+            "xla": stats.get("bytes_in_use", 0),
+            "xla_reserved": stats.get("pool_bytes", stats.get("bytes_reserved", 0)),
+            "own": pool.get("own_bytes", 0),
+            "mapped": pool.get("mapped_bytes", 0),
+            "workspaces": pool.get("workspaces", 0),
+            "exact": pool.get("exact", 0),
+            "flags": pool.get("flags_bytes", 0),
+            "classes": sorted(pool.get("block_bytes", [])),
+        }
+        kv.key_value_set(f"jaxoverlap-memprobe/{tag}/{process}", json.dumps(row))
+        if process == 0:
+            rows = [row] + [
+                json.loads(kv.blocking_key_value_get(f"jaxoverlap-memprobe/{tag}/{p}", 120_000))
+                for p in range(1, nproc)
+            ]
+            mib = lambda v: f"{v / 2**20:.0f}"  # noqa: E731
+            per = "  ".join(
+                f"p{p}: xla {mib(r['xla'])}/{mib(r['xla_reserved'])} ours {mib(r['own'])} "
+                f"(+{mib(r['mapped'])} mapped, {r['workspaces']} ws)"
+                for p, r in enumerate(rows)
+            )
+            t = time.time() - t_start
+            print(f"MEM {tag:<11s} {t:5.0f} s  GPU {mib(rows[0]['whole'])} MiB  {per}", flush=True)
+        return row
 
     shapes = [(1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 1024), (4096, 512, 512)]
     for s in shapes:
         site(*s)
-    mem0 = in_use()
+    m0 = sample("start")
     t0 = time.time()
     for i in range(fresh):
         site(*shapes[i % len(shapes)])
-    mem1 = in_use()
-    print(f"process {process}: {fresh} fresh call sites over 4 shapes in {time.time() - t0:.0f} s: "
-          f"memory {mem0 / 2**20:.0f} -> {mem1 / 2**20:.0f} MiB", flush=True)  # fmt: skip
-    t0, marks = time.time(), [(0, mem1)]
+        if (i + 1) % max(1, fresh // 4) == 0 and i + 1 < fresh:
+            sample(f"fresh:{i + 1}")
+    m1 = sample(f"fresh:{fresh}")
+    t_fresh = time.time() - t0
+    t0 = time.time()
+    blocks = []
     for i in range(1, sizes + 1):
         site(256 * i, 512, 512)
-        if i % max(1, sizes // 8) == 0 or i == sizes:
-            marks.append((i, in_use()))
-    mem2 = marks[-1][1]
-    growth = " ".join(f"{i}:{(m - mem1) / 2**20:.0f}" for i, m in marks[1:])
-    print(f"process {process}: {sizes} batch sizes (rows 256..{256 * sizes}, K 512, N 512) in "
-          f"{time.time() - t0:.0f} s: memory grew {(mem2 - mem1) / 2**20:.0f} MiB "
-          f"(call sites:MiB {growth})", flush=True)  # fmt: skip
+        blocks.append(256 * i // nproc * 512 * 2)  # the output's block: rows / n x N bf16
+        if i % max(1, sizes // 8) == 0 and i < sizes:
+            sample(f"sizes:{i}")
+    m2 = sample(f"sizes:{sizes}")
+    t_sizes = time.time() - t0
     jaxoverlap.check_errors()
-    flat = mem1 - mem0 < 64 * 2**20
-    bounded = mem2 - mem1 < bound_mib * 2**20
+    # The pool's verdict. Phase 2's workspaces: one per new class, each with a staging area and
+    # GEMM partials of (n - 1) slots and one flag block (docs/workspaces.md).
+    areas, cap_per_area = 2, 3.5
+    if cpu:
+        new_classes, want, cap = [], 0, 0
+    else:
+        new_classes = sorted({runtime.size_class(b) for b in blocks} - set(m1["classes"]))
+        want = sum(areas * (nproc - 1) * c + m2["flags"] for c in new_classes)
+        cap = areas * (nproc - 1) * cap_per_area * runtime.size_class(max(blocks))
+        cap += m2["flags"] * len(new_classes)
+        if bound_mib:
+            cap = min(cap, bound_mib * 2**20)
+    per_shape = sum(areas * (nproc - 1) * b for b in blocks)  # one workspace per batch size
+    flat = m1["own"] == m0["own"] and m1["workspaces"] == m0["workspaces"]
+    grew = m2["own"] - m1["own"]
+    added = m2["workspaces"] - m1["workspaces"]
+    bounded = grew == want and added == len(new_classes) and grew <= cap and m2["exact"] == 0
+    mib = lambda v: v / 2**20  # noqa: E731
+    print(f"process {process}: {fresh} fresh call sites over 4 shapes in {t_fresh:.0f} s: "
+          f"jaxoverlap's workspaces {mib(m0['own']):.1f} -> {mib(m1['own']):.1f} MiB "
+          f"({m0['workspaces']} -> {m1['workspaces']}); XLA in use {mib(m0['xla']):.0f} -> "
+          f"{mib(m1['xla']):.0f} MiB; whole GPU {mib(m0['whole']):.0f} -> {mib(m1['whole']):.0f} "
+          f"MiB", flush=True)  # fmt: skip
+    print(f"process {process}: {sizes} batch sizes (rows 256..{256 * sizes}, K 512, N 512) in "
+          f"{t_sizes:.0f} s: jaxoverlap's workspaces grew {mib(grew):.1f} MiB in {added} "
+          f"workspaces (size classes predict {mib(want):.1f} MiB in {len(new_classes)}: "
+          f"{[c >> 10 for c in new_classes]} KiB; cap {mib(cap):.0f} MiB; one workspace per "
+          f"shape would hold {mib(per_shape):.0f} MiB); XLA in use {mib(m1['xla']):.0f} -> "
+          f"{mib(m2['xla']):.0f} MiB (reserved {mib(m1['xla_reserved']):.0f} -> "
+          f"{mib(m2['xla_reserved']):.0f}); whole GPU grew {mib(m2['whole'] - m1['whole']):.0f} "
+          f"MiB (both processes)", flush=True)  # fmt: skip
     print(f"MEMORY process {process}: {calls} calls, {len(wrong)} wrong {wrong[:3]}; fresh call "
           f"sites {'flat' if flat else 'GREW'}; {sizes} batch sizes "
-          f"{'bounded' if bounded else 'GREW'} (bound {bound_mib} MiB)", flush=True)  # fmt: skip
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier("memory/done", 120_000)
+          f"{'bounded' if bounded else 'NOT AS PREDICTED'} (jaxoverlap's own workspaces: "
+          f"{mib(grew):.1f} MiB, predicted {mib(want):.1f}, cap {mib(cap):.0f} MiB)",
+          flush=True)  # fmt: skip
+    kv.wait_at_barrier("memory/done", 120_000)
     return 0 if flat and bounded and not wrong else 1
 
 
@@ -318,16 +399,16 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None
         for p in range(nproc)
     ]
     t0, rcs = time.time(), []
+    name = "STRESS-XPROC" if memory is None else "MEMORY"
     for p in procs:
         try:
             rcs.append(p.wait(timeout=max(1.0, deadline_s - (time.time() - t0))))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            print(f"STRESS-XPROC: FAILED (past {deadline_s:.0f} s)", flush=True)
+            print(f"{name}: FAILED (past {deadline_s:.0f} s)", flush=True)
             return 1
     ok = all(rc == 0 for rc in rcs)
-    name = "STRESS-XPROC" if memory is None else "MEMORY"
     print(f"{name}:", "PASSED" if ok else f"FAILED (exit codes {rcs})", flush=True)
     return 0 if ok else 1
 

@@ -210,6 +210,21 @@ std::string cuda_error(const char* what, cudaError_t e);
 // Device memory in use on `ordinal` (total - free, cudaMemGetInfo), in bytes; -1 on error.
 int64_t memory_in_use(int ordinal);
 
+// What the workspace pool holds now (issue 25 item 4; docs/workspaces.md), counted from the
+// buffers each workspace actually has, without a CUDA call: `own_bytes` allocated by this
+// process (staging, flags, partials, peer sum, gather staging of its members), by CUDA ordinal
+// in `own_by_device`; `mapped_bytes`, its peers' buffers mapped into this process by CUDA IPC
+// (another process's allocations, counted there); one entry of `block_bytes` per workspace (its
+// class, or an exact workspace's own size). `flags_bytes`: one member's flag block. Not counted:
+// a workspace's abort ring (kAbortSlots words).
+struct PoolStats {
+  int workspaces = 0, exact = 0, spanning = 0;
+  int64_t own_bytes = 0, mapped_bytes = 0, flags_bytes = 0;
+  std::map<int, int64_t> own_by_device;
+  std::vector<int64_t> block_bytes;
+};
+PoolStats pool_stats();
+
 // Keeps the calling thread's current CUDA context across a scope that switches devices: the
 // driver's current context (cuCtxGetCurrent), restored as it was. A thread that had none (the
 // Python thread that lowers a program and exports its workspaces) is left with none: restoring

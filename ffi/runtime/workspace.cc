@@ -144,8 +144,16 @@ std::string allocate_member(Workspace* ws, int i, bool with_partials, bool with_
   if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)))
     return cuda_error("cudaStreamCreate", e);
   cudaMemsetAsync(p.flags[i], 0, sizeof(Flags), s);
-  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h).
+  // The staging too: the tile schedule keeps its slab flags in it (kernels/tile_rs.h). And every
+  // other area, once, so that no byte of a workspace is ever undefined: each call writes what it
+  // reads of them first (cuBLASLt's GEMM the partials, the peers' pushes the gather staging), but
+  // compute-sanitizer's initcheck reported every comm-kernel load of the partials as a read of
+  // uninitialized memory after the GEMM had written them (issue 25, call D; the results were
+  // right): it apparently does not follow cuBLASLt's (TMA) stores.
   cudaMemsetAsync(p.stage[i], 0, (n - 1) * block_bytes, s);
+  if (ws->part[i]) cudaMemsetAsync(ws->part[i], 0, (n - 1) * block_bytes, s);
+  if (ws->acc[i]) cudaMemsetAsync(ws->acc[i], 0, block_bytes, s);
+  if (ws->gather[i]) cudaMemsetAsync(ws->gather[i], 0, (n - 1) * block_bytes, s);
   e = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
   if (e) return cuda_error("clearing the flags", e);
@@ -274,6 +282,42 @@ std::string workspace(int64_t site, const std::vector<int>& ordinals, int rank,
   *out = c->obj.get();
   if (rank >= 0 && rank < kMaxRanks) (*out)->site_now[rank] = site;
   return "";
+}
+
+PoolStats pool_stats() {
+  std::vector<std::pair<bool, WsCell*>> cells;  // (exact, cell)
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [key, c] : g_workspaces) cells.emplace_back(key.exact, c.get());
+  }
+  PoolStats st;
+  st.flags_bytes = sizeof(Flags);
+  for (auto [exact, c] : cells) {
+    std::lock_guard<std::mutex> lock(c->mu);  // buffers and mappings change under it only
+    const Workspace* ws = c->obj.get();
+    if (!ws) continue;
+    const int64_t slots = (int64_t)(ws->n - 1) * ws->block_bytes;
+    ++st.workspaces;
+    st.exact += exact;
+    st.spanning += ws->spans;
+    st.block_bytes.push_back(ws->block_bytes);
+    for (int i = 0; i < ws->n; ++i) {
+      if (ws->ordinals[i] < 0) continue;  // another process's member
+      const Peers& p = ws->peers[i];
+      const int64_t own = (p.stage[i] ? slots : 0) + (p.flags[i] ? (int64_t)sizeof(Flags) : 0) +
+                          (ws->part[i] ? slots : 0) + (ws->acc[i] ? ws->block_bytes : 0) +
+                          (ws->gather[i] ? slots : 0);
+      st.own_bytes += own;
+      st.own_by_device[ws->ordinals[i]] += own;
+      if (ws->spans)
+        for (int j = 0; j < ws->n; ++j)
+          if (j != i && ws->imported[j])
+            st.mapped_bytes += (p.stage[j] ? slots : 0) +
+                               (p.flags[j] ? (int64_t)sizeof(Flags) : 0) +
+                               (p.gather[j] ? slots : 0);
+    }
+  }
+  return st;
 }
 
 int64_t memory_in_use(int ordinal) {

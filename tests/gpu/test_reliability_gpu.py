@@ -49,6 +49,7 @@ def test_workspace_memory_is_bounded_across_fresh_jit_wrappers(gpus):
     first = jax.block_until_ready(fresh()(x, w))
     ordinals = [d.local_hardware_id for d in gpus]
     before = [runtime.memory_in_use(o) for o in ordinals]
+    pool = runtime.workspace_pool()  # jaxoverlap's own share: must not change at all
     wrappers = [fresh() for _ in range(60)]
     for f in wrappers:
         y = f(x, w)
@@ -61,6 +62,10 @@ def test_workspace_memory_is_bounded_across_fresh_jit_wrappers(gpus):
         f"(one workspace is {workspace >> 20} MiB; a leak per wrapper would be ~3840 MiB)"
     )
     assert np.array_equal(np.asarray(y), np.asarray(first))
+    now = runtime.workspace_pool()
+    for key in ("workspaces", "own_bytes", "own_by_device"):
+        assert now[key] == pool[key], (key, pool[key], now[key])
+    assert pool["workspaces"] >= 1 and pool["own_bytes"] >= 2 * (32 << 20)  # staging + partials
 
 
 @pytest.mark.parametrize("a_col", [False, True])

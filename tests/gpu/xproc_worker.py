@@ -354,7 +354,10 @@ def report_gemm_search(gpu):
 
 # The shapes M, K, N of op_cases: the tests' own, and a second set unlike them (XPROC_SHAPES=other;
 # issue 22: every op and variant at shapes the code was not written against).
-SHAPES = {"default": (2048, 2048, 1024), "other": (1536, 1280, 768)}
+# "small" (tools/sanitize.py --shapes small): every case's code paths (the tile schedule's rows
+# per rank a multiple of 256 included) at 1/32 of the default's GEMM work; lowered on CPU for a
+# Hopper target, but on the GPU only in call E of issue 25, under the sanitizers.
+SHAPES = {"default": (2048, 2048, 1024), "other": (1536, 1280, 768), "small": (1024, 512, 256)}
 
 
 def op_cases(mesh, arr, timeout_s, shapes=None):
