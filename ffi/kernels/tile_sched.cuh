@@ -17,6 +17,11 @@
 namespace jaxoverlap::tile {
 
 constexpr int kRing = 16;  // claimed tiles in flight per CTA (> mainloop stages)
+#ifndef JAXOVERLAP_TILE_RING_SLEEP_NS
+#define JAXOVERLAP_TILE_RING_SLEEP_NS 128
+#endif
+// How long a reader of the claim ring sleeps after finding its tile not there yet (0: poll).
+constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -174,13 +179,19 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
+      // A consumer's miss sleeps before the next look: a ping-pong warpgroup asks for its next
+      // tile while the other warpgroup's mainloop runs, and its polling would take shared-memory
+      // cycles from that MMA (wgmma reads its operands there) for a whole mainloop. (A producer
+      // warp polls: it needs the tile at once to issue its loads.)
       uint64_t v;
-      do {
+      for (;;) {
         asm volatile("ld.volatile.shared.b64 %0, [%1];"
                      : "=l"(v)
                      : "r"((uint32_t)__cvta_generic_to_shared(slot))
                      : "memory");
-      } while ((uint32_t)(v >> 32) != k + 1);
+        if ((uint32_t)(v >> 32) == k + 1) break;
+        if (kRingSleepNs > 0 && !producer) __nanosleep(kRingSleepNs);
+      }
       t = (int32_t)(uint32_t)v;
     }
     const Tile w = decode(t);
