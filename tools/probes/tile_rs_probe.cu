@@ -372,18 +372,23 @@ int main(int argc, char** argv) {
     std::printf("TILE CHECK (%d entries): %s\n", E, ok ? "PASSED" : "FAILED");
     return ok ? 0 : 1;
   }
-  if (what == "prof" && argc >= 6) {  // one launch of each variant between profiler marks
+  const bool prof = what == "prof" && argc >= 6;
+  if (!prof && (what != "time" || argc < 3)) {
+    std::printf("usage: tile_rs_probe check | time FILE [--pick] [--json OUT] | prof TP M K N\n");
+    return 2;
+  }
+  GemmRunner lt;
+  if (std::string e = lt.init(); !e.empty()) {
+    std::printf("cuBLASLt: %s\n", e.c_str());
+    return 1;
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (prof) {  // one launch of each variant between profiler marks
     Shape sh{"prof", std::atoi(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]),
              std::atoll(argv[5])};
-    GemmRunner lt;
-    if (std::string e = lt.init(); !e.empty()) {
-      std::printf("cuBLASLt: %s\n", e.c_str());
-      return 1;
-    }
-    int sms = 0;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    cudaStream_t s;
-    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     Problem p(sh);
     const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
     auto run_all = [&] {
@@ -406,10 +411,6 @@ int main(int argc, char** argv) {
     CK(cudaProfilerStop());
     if (p.err->set) std::printf("prod: a wait gave up\n");
     return 0;
-  }
-  if (what != "time" || argc < 3) {
-    std::printf("usage: tile_rs_probe check | time FILE [--pick] [--json OUT] | prof TP M K N\n");
-    return 2;
   }
   bool pick = false;
   const char* json = nullptr;
@@ -438,15 +439,6 @@ int main(int argc, char** argv) {
     }
     std::fclose(f);
   }
-  GemmRunner lt;
-  if (std::string e = lt.init(); !e.empty()) {
-    std::printf("cuBLASLt: %s\n", e.c_str());
-    return 1;
-  }
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   if (pick) {  // the selection pass: production's tile_rs_choose, an empty cache per run
     char dir[] = "/tmp/tile_rs_probe_cacheXXXXXX";
     if (!mkdtemp(dir)) {
