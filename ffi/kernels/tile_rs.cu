@@ -70,7 +70,8 @@ const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(3)
     // Ping-pong: each consumer warpgroup runs its own 128 x 128 tile, and one's epilogue (the
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
-    // other's MMA; cuBLAS's kernel on many short-K shapes is a 128 x 128 ping-pong one.
+    // other's MMA (cuBLASLt's kernel on 8192 x 2048 x 4096 is a one-warpgroup-per-tile 128 x 160
+    // one with a 2x1 cluster: nvjet_sm90_tst_128x160_64x5_2x1, ncu in docs/measurements.md).
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3),
 #endif
 #if JAXOVERLAP_TILE_IN(4)

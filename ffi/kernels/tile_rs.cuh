@@ -36,9 +36,11 @@ constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-colu
 constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
 constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
 #ifndef JAXOVERLAP_TILE_SUM_LOOKAHEAD
-#define JAXOVERLAP_TILE_SUM_LOOKAHEAD 4
+#define JAXOVERLAP_TILE_SUM_LOOKAHEAD 1
 #endif
-// Chunks (32 columns) by which an own tile's loads of the first peer slab run ahead of its sums.
+// Chunks (32 columns) by which an own tile's loads of the first peer slab run ahead of its sums
+// (a tuning knob: 4 measured 2-3 % slower than 1 in call E of 2026-12-02, as a plain GEMM too --
+// more live registers in the consumers, whose code is one function with the mainloop's).
 constexpr int kSumLookahead = JAXOVERLAP_TILE_SUM_LOOKAHEAD;
 static_assert(kSumLookahead >= 1, "at least the next chunk");
 static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
