@@ -35,14 +35,6 @@ namespace jaxoverlap::tile {
 constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
 constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
 constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
-#ifndef JAXOVERLAP_TILE_SUM_LOOKAHEAD
-#define JAXOVERLAP_TILE_SUM_LOOKAHEAD 1
-#endif
-// Chunks (32 columns) by which an own tile's loads of the first peer slab run ahead of its sums
-// (a tuning knob: 4 measured 2-3 % slower than 1 in call E of 2026-12-02, as a plain GEMM too --
-// more live registers in the consumers, whose code is one function with the mainloop's).
-constexpr int kSumLookahead = JAXOVERLAP_TILE_SUM_LOOKAHEAD;
-static_assert(kSumLookahead >= 1, "at least the next chunk");
 static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
 
 // 16-bit float helpers of the epilogue.
@@ -291,8 +283,8 @@ class TileEpilogue {
   // Stores acc + the `count` 16-bit slabs at src + i * stride (added in that order in f32,
   // rounded once) at dst (row pitch N). 32 columns at a time: the f32 accumulators go through the warp's shared
   // rows, and each pair of lanes then reads one row's 32 columns -- 16-byte loads of every
-  // source, 64 contiguous bytes per row -- adds and stores them. The first source's loads run
-  // kSumLookahead chunks ahead of the sums, so their latency overlaps.
+  // source, 64 contiguous bytes per row -- adds and stores them. The first source's loads of
+  // the next chunk are issued before this chunk is summed, so their latency overlaps.
   template <class Acc>
   CUTLASS_DEVICE void store_sum_slab(Acc& acc, const char* src0, int64_t stride, int count,
                                      char* dst, float* sm, int lane, int64_t col0) const {
@@ -307,13 +299,8 @@ class TileEpilogue {
       if (32 * c + 8 * i >= valid) return make_uint4(0, 0, 0, 0);
       return __ldcg(reinterpret_cast<const uint4*>(in + src * stride + (32 * c + 8 * i) * 2));
     };
-    // The first source's loads run kAhead chunks ahead of the sums (a ring of registers: the
-    // chunk loop is unrolled), so their latency overlaps that many chunks' work.
-    constexpr int kAhead = kSumLookahead < kTileN / 32 ? kSumLookahead : kTileN / 32;
-    uint4 next[kAhead][2] = {};
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kAhead; ++c)
-      if (count > 0) next[c][0] = load(0, c, 0), next[c][1] = load(0, c, 1);
+    uint4 next[2] = {};
+    if (count > 0) next[0] = load(0, 0, 0), next[1] = load(0, 0, 1);
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kTileN / 32; ++c) {
       CUTLASS_PRAGMA_UNROLL
@@ -325,10 +312,8 @@ class TileEpilogue {
               make_float2(acc(i), acc(i + 1));
         }
       __syncwarp();
-      uint4* ahead = next[c % kAhead];
-      const uint4 first[2] = {ahead[0], ahead[1]};
-      if (count > 0 && c + kAhead < kTileN / 32)
-        ahead[0] = load(0, c + kAhead, 0), ahead[1] = load(0, c + kAhead, 1);
+      const uint4 first[2] = {next[0], next[1]};
+      if (count > 0 && c + 1 < kTileN / 32) next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 2; ++i) {
         const float* f = sm + row * kSumStride + 16 * half + 8 * i;

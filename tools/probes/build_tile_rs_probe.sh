@@ -4,7 +4,7 @@
 #   CUTLASS_INC: the nvidia-cutlass wheel's include dirs (default: the build's, see CMakeLists)
 #   CUBLAS_ROOT: the nvidia-cublas wheel's cu13 dir (headers + libcublasLt.so.13)
 #   NAME, FLAGS: the binary's name and extra nvcc flags (a variant of the kernel, e.g.
-#   NAME=tile_rs_probe_look1 FLAGS=-DJAXOVERLAP_TILE_SUM_LOOKAHEAD=1)
+#   NAME=tile_rs_probe_poll FLAGS=-DJAXOVERLAP_TILE_RING_SLEEP_NS=0)
 #   ENTRIES: the menu entries compiled in, e.g. ENTRIES="1 3 4" (default: all; entry k of the
 #   default menu, ffi/kernels/tile_rs.cu; the probe's menu is then those, in that order): a
 #   quicker build while iterating on one or two entries (each is two ~1-2 min instantiations)
