@@ -47,29 +47,51 @@ struct Entry {
   {NAME, {tile_rs_preload_##E##_wrow, tile_rs_preload_##E##_wcol}, \
    {tile_rs_check_##E##_wrow, tile_rs_check_##E##_wcol}, \
    {tile_rs_launch_##E##_wrow, tile_rs_launch_##E##_wcol}}
+// JAXOVERLAP_TILE_MENU_MASK (a build option for tuning runs: tools/probes/build_tile_rs_probe.sh's
+// ENTRIES): the entries compiled in, bit k = entry k; the default build has them all.
+#ifndef JAXOVERLAP_TILE_MENU_MASK
+#define JAXOVERLAP_TILE_MENU_MASK 0x1f
+#endif
+#define JAXOVERLAP_TILE_IN(K) ((JAXOVERLAP_TILE_MENU_MASK >> (K)) & 1)
 const Entry kMenu[] = {
+#if JAXOVERLAP_TILE_IN(0)
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
     JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0),
+#endif
+#if JAXOVERLAP_TILE_IN(1)
     // No cluster: every SM runs a CTA (2x1 clusters leave a GPC's odd SM idle) and tiles are
     // claimed one by one.
     JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e1),
+#endif
+#if JAXOVERLAP_TILE_IN(2)
     // x's tile multicast along N: the footprint of entry 0 transposed (wide N, long K).
     JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e2),
+#endif
+#if JAXOVERLAP_TILE_IN(3)
     // Ping-pong: each consumer warpgroup runs its own 128 x 128 tile, and one's epilogue (the
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
-    // other's MMA; cuBLAS's kernel on many short-K shapes is a 128 x 128 ping-pong one.
+    // other's MMA (cuBLASLt's kernel on 8192 x 2048 x 4096 is a one-warpgroup-per-tile 128 x 160
+    // one with a 2x1 cluster: nvjet_sm90_tst_128x160_64x5_2x1, ncu in docs/measurements.md).
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3),
+#endif
+#if JAXOVERLAP_TILE_IN(4)
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
     // tiles are ping-pong 128 x N, cluster 2x1).
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4),
+#endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
+#undef JAXOVERLAP_TILE_IN
 constexpr int kMenuSize = sizeof(kMenu) / sizeof(kMenu[0]);
 
 std::mutex g_mu;                   // g_loaded
 std::map<int, uint32_t> g_loaded;  // device -> loaded (entry, layout) bits
 
-__global__ void advance_epoch(Flags* f) { f->epoch += 1; }
+__global__ void finish_emulated(Flags* f, int n) {
+  const uint32_t e = f->epoch + 1u;
+  for (int j = 0; j < n; ++j) f->slot_free[j] = e;
+  f->epoch = e;
+}
 
 }  // namespace
 
@@ -127,8 +149,8 @@ cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream) {
   return kMenu[a.entry].launch[a.w_colmajor ? 1 : 0](a, stream);
 }
 
-cudaError_t tile_rs_advance_epoch(Flags* flags, cudaStream_t stream) {
-  advance_epoch<<<1, 1, 0, stream>>>(flags);
+cudaError_t tile_rs_finish_emulated(Flags* flags, int n, cudaStream_t stream) {
+  finish_emulated<<<1, 1, 0, stream>>>(flags, n);
   return cudaGetLastError();
 }
 

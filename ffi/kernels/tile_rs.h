@@ -81,8 +81,10 @@ cudaError_t preload_tile_entry(int entry, bool w_colmajor);
 cudaError_t check_tile_entry(const TileRsArgs& a);
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream);
 
-// Advances a workspace's epoch by one on `stream` (the claim counters alternate per call): what
-// timing the kernels back to back needs (runtime/tile_menu.cc).
-cudaError_t tile_rs_advance_epoch(Flags* flags, cudaStream_t stream);
+// Ends a call of an emulated group of n ranks whose flags are all `flags` (one GPU, timing the
+// kernels back to back: runtime/tile_menu.cc, the probes), on `stream`: every peer has released
+// the staging it read (what their launch_release_slots does; mode 0's foreign tiles wait for
+// it), and the epoch advances (the claim counters alternate per call).
+cudaError_t tile_rs_finish_emulated(Flags* flags, int n, cudaStream_t stream);
 
 }  // namespace jaxoverlap

@@ -17,6 +17,12 @@
 namespace jaxoverlap::tile {
 
 constexpr int kRing = 16;  // claimed tiles in flight per CTA (> mainloop stages)
+#ifndef JAXOVERLAP_TILE_RING_SLEEP_NS
+#define JAXOVERLAP_TILE_RING_SLEEP_NS 512
+#endif
+// A consumer's sleeps while its tile is not in the claim ring yet: 64 ns, doubling up to this
+// (0: poll without sleeping).
+constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -174,13 +180,20 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
+      // A consumer's miss sleeps before the next look (64 ns, doubling up to kRingSleepNs): a
+      // ping-pong warpgroup asks for its next tile while the other warpgroup's mainloop runs,
+      // and polling all along would take shared-memory cycles from that MMA (wgmma reads its
+      // operands there); the tile is in the ring a few k-blocks before that mainloop ends. (A
+      // producer warp polls: it needs the tile at once to issue its loads.)
       uint64_t v;
-      do {
+      for (unsigned ns = 64;; ns = min(2 * ns, kRingSleepNs)) {
         asm volatile("ld.volatile.shared.b64 %0, [%1];"
                      : "=l"(v)
                      : "r"((uint32_t)__cvta_generic_to_shared(slot))
                      : "memory");
-      } while ((uint32_t)(v >> 32) != k + 1);
+        if ((uint32_t)(v >> 32) == k + 1) break;
+        if (kRingSleepNs > 0 && !producer) __nanosleep(ns);
+      }
       t = (int32_t)(uint32_t)v;
     }
     const Tile w = decode(t);

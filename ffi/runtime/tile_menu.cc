@@ -94,9 +94,14 @@ bool publish_choice(const std::string& path, const TileChoice& c) {
   return publish_once(path, text);
 }
 
-// Times the candidates as the fused kernel runs alone (mode 1: its GEMM, the foreign tiles'
-// stores into a staging buffer and the own tiles' adds of n - 1 slabs, no waits) on random
-// scratch operands on `stream` (stream-ordered allocations: only this stream is synchronised).
+// Times the candidates as the production kernel (mode 0) of an emulated group of n ranks on
+// this GPU alone, so the pick is the fastest production kernel, flags and fences included: every
+// peer's staging and flags are one scratch buffer of this rank, the foreign tiles' stores and
+// flags land in the very slots the own tiles wait on (slot n - 1 - j for block j, slot s - 1 for
+// source s), so every flag is published, every fence executed, and every own tile adds n - 1
+// slabs once their foreign tiles are done (claimed first: no wait depends on a CTA that never
+// started). Random scratch operands on `stream` (stream-ordered allocations: only this stream is
+// synchronised); the staging starts zeroed (no stale flag of a later epoch).
 std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileChoice* out) {
   const int n = call.peers.n;
   const int64_t rows = n * call.m;
@@ -115,8 +120,9 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     if (cudaError_t e = cudaMallocAsync((void**)&buf[i], sizes[i], stream)) {
       buf[i] = nullptr;
       fail("scratch allocation for timing the tile kernels", e);
-    } else if (cudaError_t e = launch_fill_uniform(buf[i], sizes[i] / 2, FillType::kBF16,
-                                                   4321u + i, stream)) {
+    } else if (cudaError_t e = i == 3 ? cudaMemsetAsync(buf[i], 0, sizes[i], stream)
+                                      : launch_fill_uniform(buf[i], sizes[i] / 2, FillType::kBF16,
+                                                            4321u + i, stream)) {
       fail("filling scratch operands", e);
     }
   }
@@ -134,8 +140,11 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
   TileRsArgs a = call;
   a.x = buf[0], a.w = buf[1], a.out = buf[2];
   for (int i = 0; i < n; ++i) a.peers.stage[i] = buf[3], a.peers.flags[i] = flags;
-  a.mode = 1;
+  a.mode = 0;
   a.err = nullptr;
+  a.peers.abort = nullptr;  // not the group's: a scratch epoch is no call of it
+  a.peers.dead = nullptr;
+  a.stall_rank = -1;
   // An entry that cannot launch the problem (can_implement, its cluster's occupancy) is not
   // launched: +inf. Pass 0 loads and warms up (one launch) and sets the launches per timing.
   auto time_one = [&](int entry, int swizzle) -> float {
@@ -152,7 +161,7 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
       bool ok = true;
       for (int k = 0; k < count && ok; ++k) {
         ok = launch_tile_rs(a, stream) == cudaSuccess;
-        ok = ok && tile_rs_advance_epoch(flags, stream) == cudaSuccess;  // claims alternate per call
+        ok = ok && tile_rs_finish_emulated(flags, n, stream) == cudaSuccess;
       }
       if (!ok) {
         cudaGetLastError();

@@ -4,7 +4,10 @@
 #   CUTLASS_INC: the nvidia-cutlass wheel's include dirs (default: the build's, see CMakeLists)
 #   CUBLAS_ROOT: the nvidia-cublas wheel's cu13 dir (headers + libcublasLt.so.13)
 #   NAME, FLAGS: the binary's name and extra nvcc flags (a variant of the kernel, e.g.
-#   NAME=tile_rs_probe_nolook FLAGS=-DJAXOVERLAP_TILE_SUM_LOOKAHEAD=0)
+#   NAME=tile_rs_probe_poll FLAGS=-DJAXOVERLAP_TILE_RING_SLEEP_NS=0)
+#   ENTRIES: the menu entries compiled in, e.g. ENTRIES="1 3 4" (default: all; entry k of the
+#   default menu, ffi/kernels/tile_rs.cu; the probe's menu is then those, in that order): a
+#   quicker build while iterating on one or two entries (each is two ~1-2 min instantiations)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -17,13 +20,28 @@ mkdir -p "$OBJ"
 F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Iffi
    "-I$CUBLAS_ROOT/include" ${FLAGS:-})
 for d in $CUTLASS_INC; do F+=("-I$d"); done
-srcs=(ffi/kernels/tile_rs_e*_w*.cu ffi/kernels/tile_rs.cu ffi/kernels/comm.cu ffi/kernels/fill.cu
+if [[ -n ${ENTRIES:-} ]]; then
+  mask=0 entry_srcs=()
+  for e in $ENTRIES; do
+    mask=$((mask | (1 << e)))
+    entry_srcs+=(ffi/kernels/tile_rs_e"$e"_w*.cu)
+  done
+  F+=("-DJAXOVERLAP_TILE_MENU_MASK=$mask")
+else
+  entry_srcs=(ffi/kernels/tile_rs_e*_w*.cu)
+fi
+# Objects are kept per NAME: a change of FLAGS or ENTRIES recompiles them all.
+if [[ "$(cat "$OBJ/flags" 2>/dev/null)" != "${F[*]}" ]]; then
+  rm -f "$OBJ"/*.o
+  echo "${F[*]}" >"$OBJ/flags"
+fi
+srcs=("${entry_srcs[@]}" ffi/kernels/tile_rs.cu ffi/kernels/comm.cu ffi/kernels/fill.cu
       ffi/runtime/gemm.cc ffi/runtime/capture.cc ffi/runtime/tile_menu.cc
       tools/probes/tile_rs_probe.cu)
 # JOBS compilations at a time (default: the cores); an object newer than its source and the
 # headers is kept (a rebuild after a probe-only change is quick).
 JOBS=${JOBS:-$(nproc)}
-newest=$(ls -t ffi/kernels/*.h ffi/kernels/*.cuh ffi/runtime/*.h | head -1)
+newest=$(ls -t ffi/kernels/*.h ffi/kernels/*.cuh ffi/runtime/*.h "$0" | head -1)
 for s in "${srcs[@]}"; do
   o="$OBJ/$(basename "$s").o"
   [[ -f $o && $o -nt $s && $o -nt $newest ]] && continue
@@ -31,6 +49,8 @@ for s in "${srcs[@]}"; do
   nvcc "${F[@]}" -x cu -c "$s" -o "$o" &
 done
 while (($(jobs -rp | wc -l) > 0)); do wait -n || exit 1; done
-nvcc -gencode=arch=compute_90a,code=sm_90a "$OBJ"/*.o -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
+objs=()
+for s in "${srcs[@]}"; do objs+=("$OBJ/$(basename "$s").o"); done
+nvcc -gencode=arch=compute_90a,code=sm_90a "${objs[@]}" -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
   -o "$OUT/$NAME"
 echo "built $OUT/$NAME"

@@ -20,9 +20,13 @@
 //          selection (tile_rs_choose, empty cache), then the interleaved run times the pick
 //          too. Geomeans per set; judged shapes 2 M K N >= 1e11.
 //
+//   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
+//          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
+//
 // Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
-// tile_rs_probe time FILE [--pick] [--json OUT]
+// tile_rs_probe time FILE [--pick] [--json OUT] | tile_rs_probe prof TP M K N
 #include <cuda_bf16.h>
+#include <cuda_profiler_api.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -77,14 +81,6 @@ __global__ void ref_gemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* 
 }
 
 __global__ void finish(Flags* f) { f->epoch += 1; }
-// The end of a call of the emulated group (time mode, every variant: the modes interleave on one
-// flag block): every peer has released the staging it read (what their launch_release_slots
-// does; mode 0's foreign tiles wait for it) and the epoch advances.
-__global__ void finish_emulated(Flags* f, int n) {
-  const uint32_t e = f->epoch + 1u;
-  for (int j = 0; j < n; ++j) f->slot_free[j] = e;
-  f->epoch = e;
-}
 
 struct Rank {
   __nv_bfloat16 *x, *w, *out;
@@ -325,7 +321,13 @@ int main(int argc, char** argv) {
   // timed out; DESIGN.md's decision 5).
   cudaFuncAttributes attr;
   CK(cudaFuncGetAttributes(&attr, finish));
-  CK(cudaFuncGetAttributes(&attr, finish_emulated));
+  {  // the library's end of an emulated call (time, prof: every variant; one flag block)
+    Flags* f;
+    CK(cudaMalloc(&f, sizeof(Flags)));
+    CK(tile_rs_finish_emulated(f, 2, nullptr));
+    CK(cudaDeviceSynchronize());
+    CK(cudaFree(f));
+  }
   CK(cudaFuncGetAttributes(&attr, ref_gemm));
   const std::string what = argc > 1 ? argv[1] : "check";
   if (what == "check") {
@@ -370,9 +372,45 @@ int main(int argc, char** argv) {
     std::printf("TILE CHECK (%d entries): %s\n", E, ok ? "PASSED" : "FAILED");
     return ok ? 0 : 1;
   }
-  if (what != "time" || argc < 3) {
-    std::printf("usage: tile_rs_probe check | time FILE [--pick] [--json OUT]\n");
+  const bool prof = what == "prof" && argc >= 6;
+  if (!prof && (what != "time" || argc < 3)) {
+    std::printf("usage: tile_rs_probe check | time FILE [--pick] [--json OUT] | prof TP M K N\n");
     return 2;
+  }
+  GemmRunner lt;
+  if (std::string e = lt.init(); !e.empty()) {
+    std::printf("cuBLASLt: %s\n", e.c_str());
+    return 1;
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (prof) {  // one launch of each variant between profiler marks
+    Shape sh{"prof", std::atoi(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]),
+             std::atoll(argv[5])};
+    Problem p(sh);
+    const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
+    auto run_all = [&] {
+      if (std::string e = lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); !e.empty())
+        std::printf("cuBLASLt: %s\n", e.c_str());
+      for (int mode : {2, 0})
+        for (int e = 0; e < E; ++e) {
+          CK(launch_tile_rs(p.args(sh, sms, mode, e, kSwizzle), s));
+          CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
+        }
+      CK(cudaStreamSynchronize(s));
+    };
+    run_all();  // the plan search, loads, warm-up
+    run_all();
+    CK(cudaProfilerStart());
+    std::printf("profiled: cuBLASLt, then plain (mode 2) and prod (mode 0) of each entry:");
+    for (int e = 0; e < E; ++e) std::printf(" %s", tile_rs_entry_name(e));
+    std::printf("\n");
+    run_all();
+    CK(cudaProfilerStop());
+    if (p.err->set) std::printf("prod: a wait gave up\n");
+    return 0;
   }
   bool pick = false;
   const char* json = nullptr;
@@ -401,15 +439,6 @@ int main(int argc, char** argv) {
     }
     std::fclose(f);
   }
-  GemmRunner lt;
-  if (std::string e = lt.init(); !e.empty()) {
-    std::printf("cuBLASLt: %s\n", e.c_str());
-    return 1;
-  }
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   if (pick) {  // the selection pass: production's tile_rs_choose, an empty cache per run
     char dir[] = "/tmp/tile_rs_probe_cacheXXXXXX";
     if (!mkdtemp(dir)) {
@@ -477,7 +506,7 @@ int main(int argc, char** argv) {
       TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy);
       return [&, a] {  // each call ends with the epoch's advance (the claim counters alternate)
         CK(launch_tile_rs(a, s));
-        finish_emulated<<<1, 1, 0, s>>>(p.rk[0].flags, sh.tp);
+        CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
       };
     };
     std::vector<std::function<void()>> fns = {
