@@ -145,6 +145,9 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
   a.peers.abort = nullptr;  // not the group's: a scratch epoch is no call of it
   a.peers.dead = nullptr;
   a.stall_rank = -1;
+  // The emulated waits pass at once; should one ever not, it gives up after 1 s, not after the
+  // call's timeout (100 s by default) per entry timed.
+  a.timeout_ns = std::min<uint64_t>(call.timeout_ns, 1000000000ull);
   // An entry that cannot launch the problem (can_implement, its cluster's occupancy) is not
   // launched: +inf. Pass 0 loads and warms up (one launch) and sets the launches per timing.
   auto time_one = [&](int entry, int swizzle) -> float {

@@ -109,7 +109,11 @@ std::string allocate_abort(Workspace* ws) {
     return cuda_error("cudaMalloc (abort words)", e);
   uint32_t init[kAbortSlots];
   for (uint32_t i = 0; i < kAbortSlots; ++i) init[i] = i ^ 1u;  // no epoch of slot i
-  cudaMemcpyAsync(ws->abort, init, sizeof(init), cudaMemcpyHostToDevice, ws->abort_stream);
+  // Checked: a ring left holding its allocation's old contents could hold a future epoch and
+  // abort that call on every rank.
+  if (cudaError_t e = cudaMemcpyAsync(ws->abort, init, sizeof(init), cudaMemcpyHostToDevice,
+                                      ws->abort_stream))
+    return cuda_error("initialising the abort words", e);
   if (cudaError_t e = cudaStreamSynchronize(ws->abort_stream))
     return cuda_error("initialising the abort words", e);
   return "";

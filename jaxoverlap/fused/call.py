@@ -116,6 +116,10 @@ def fused_effects():
 # PriorityFusion's cost analysis then fails on the token ("Check failed: shape.IsArray() ||
 # shape.IsTuple()" in ShapeUtil::ElementsInRecursive from
 # GpuHloCostAnalysis::FusionCalculateUtilizations; one H200, 2026-12-02, docs/measurements.md).
+# The barrier form's edge lives in the schedule only: once the barriers are removed the compiled
+# program has no data edge between the calls, so whatever re-derives concurrency from data
+# dependencies afterwards (CONCURRENT command buffers) does not see it -- the fused calls are kept
+# out of those graphs for that reason.
 ORDER_FORM = "barrier"
 
 
