@@ -414,6 +414,10 @@ def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None
 
 
 if __name__ == "__main__" and sys.argv[1:2] in (["--worker"], ["--memory-worker"]):
+    # The workers share the parent's stdout: one write per line, so that no line of one process
+    # lands inside another's (under PYTHONUNBUFFERED print writes the text and the newline
+    # separately; a CPU test that reads process 0's table lost a line that way in CI).
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
     a = sys.argv[2:]
     rc = 1
     try:
