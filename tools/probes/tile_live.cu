@@ -44,18 +44,9 @@
 #include "kernels/tile_rs.h"
 #include "runtime/gemm.h"
 #include "runtime/tile_menu.h"
+#include "probe_check.h"
 
 using namespace jaxoverlap;
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);    \
-      std::fflush(stdout);                                                                    \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 

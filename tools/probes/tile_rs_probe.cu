@@ -46,17 +46,9 @@
 #include "kernels/fill.h"
 #include "kernels/tile_rs.h"
 #include "runtime/tile_menu.h"
+#include "probe_check.h"
 
 using namespace jaxoverlap;
-
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 namespace {
 
