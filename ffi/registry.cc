@@ -22,12 +22,14 @@
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
-// Each fused target has three symbols (handlers/fused_call.h, JAXOVERLAP_FUSED_TARGET): _v1 (no
-// order token; test knobs as attributes), _v2 (order token; production attributes only) and
-// _v2_knobs (the same with the test- and tool-only knobs).
-#define JAXOVERLAP_DECLARE(name)             \
-  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V1); \
-  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V2); \
+// Each fused handler has four symbols (handlers/fused_call.h, JAXOVERLAP_FUSED_TARGET): Knobs (no
+// order token; the test knobs as attributes: _v1 and _v3_knobs), V3 (no token; production
+// attributes only), V2 (the order token; production attributes only) and V2Knobs (the token and
+// the knobs).
+#define JAXOVERLAP_DECLARE(name)                \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##Knobs); \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V3);    \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V2);    \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(name##V2Knobs)
 JAXOVERLAP_DECLARE(JaxoverlapGemmRs);
 JAXOVERLAP_DECLARE(JaxoverlapGemmAr);
@@ -270,11 +272,15 @@ nb::dict registrations() {
     s["execute"] = capsule(fn);
     return s;
   };
-  // jaxoverlap/fused/targets.py names the _v2 targets the lowering emits; the _v1 targets stay
-  // registered for programs compiled before them (docs/ordering-and-stream-memops.md, section 1).
-#define JAXOVERLAP_REGISTER(name, text)                 \
-  d["jaxoverlap_" text "_v1"] = stages(name##V1);       \
-  d["jaxoverlap_" text "_v2"] = stages(name##V2);       \
+  // jaxoverlap/fused/targets.py derives every name from the op's; the lowering emits _v3 (order
+  // off, or its barrier form) or _v2 (the order's token form), a `_knobs` twin under a test knob.
+  // The _v1 targets stay registered, unchanged, for programs compiled against them
+  // (docs/ordering-and-stream-memops.md, section 1); _v1 and _v3_knobs are one ABI, one symbol.
+#define JAXOVERLAP_REGISTER(name, text)                    \
+  d["jaxoverlap_" text "_v1"] = stages(name##Knobs);       \
+  d["jaxoverlap_" text "_v3"] = stages(name##V3);          \
+  d["jaxoverlap_" text "_v3_knobs"] = stages(name##Knobs); \
+  d["jaxoverlap_" text "_v2"] = stages(name##V2);          \
   d["jaxoverlap_" text "_v2_knobs"] = stages(name##V2Knobs)
   JAXOVERLAP_REGISTER(JaxoverlapGemmRs, "gemm_rs");
   JAXOVERLAP_REGISTER(JaxoverlapGemmAr, "gemm_ar");

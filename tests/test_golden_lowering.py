@@ -9,9 +9,13 @@ Lowering needs no GPU and no native extension: the custom call is emitted by nam
 extension's device queries are stood in for (Hopper GPUs joined by NVLink), as the other lowering
 tests do (tests/conftest.py `lowering_only`). So the test runs everywhere, built or not.
 
-A target change is made deliberately, as a new ``_v2`` target, and the golden file is updated in
-the same commit: ``JAXOVERLAP_UPDATE_GOLDEN=1 python -m pytest tests/test_golden_lowering.py``
-rewrites it (then review the diff).
+A target change is made deliberately, as a new target (jaxoverlap/fused/targets.py), and the
+golden files are updated in the same commit: ``JAXOVERLAP_UPDATE_GOLDEN=1 python -m pytest
+tests/test_golden_lowering.py`` rewrites them (then review the diff). Three files:
+custom_calls.json (the order's token form: the ``_v2`` targets), custom_calls_v3.json (the
+default lowering and the barrier form: ``_v3``) and custom_calls_v1.json (the lowering of before
+issue 26, ``_v1``: no longer emitted, kept as the contract ``_v3`` is checked against -- the same
+calls, without the test-only knobs).
 
 The test reaches no module-internal name: knobs that stand in for the tuner's cache and the
 ``JAXOVERLAP_AUTO_NEW_KERNELS`` opt-in are patched wherever a jaxoverlap module holds them
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fake_processes import as_process, two_processes
+from golden_record import record as _record
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -43,10 +48,6 @@ UPDATE = os.environ.get("JAXOVERLAP_UPDATE_GOLDEN") == "1"
 BF16 = jnp.bfloat16
 FUSED = Config(backend="fused")
 COPY_ENGINE = Config(backend="fused", comm_sms=0)
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
-_CALL = re.compile(
-    r"stablehlo\.custom_call @(jaxoverlap_\w+)\((.*?)\) (\{.*\}) : \((.*)\) -> (.*)$"
-)
 
 
 def _patch(monkeypatch, name, value):
@@ -57,58 +58,6 @@ def _patch(monkeypatch, name, value):
             monkeypatch.setattr(mod, name, value)
             hit = True
     assert hit, f"no jaxoverlap module holds {name}"
-
-
-def _types(text):
-    """Split ``tensor<..>, !stablehlo.token`` (or one type, or a parenthesised tuple) into
-    types (the order token is every _v2 call's last operand and last result)."""
-    text = text.strip()
-    if text.startswith("(") and text.endswith(")"):
-        text = text[1:-1]
-    return re.findall(r"tensor<[^>]*>|!stablehlo\.token", text)
-
-
-def _attributes(text):
-    """``{a = 1 : i32, backend_config = {...}, ...}`` -> {name: value text}, nested one level
-    for backend_config (so a diff names the attribute that changed)."""
-    body = text.strip()[1:-1]
-    out, depth, start, key = {}, 0, 0, None
-    items = []
-    for i, ch in enumerate(body):
-        if ch in "{[<(":
-            depth += 1
-        elif ch in "}]>)":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(body[start:i])
-            start = i + 1
-    items.append(body[start:])
-    for item in items:
-        key, _, value = item.strip().partition(" = ")
-        value = value.strip()
-        out[key] = _attributes(value) if value.startswith("{") else value
-    return out
-
-
-def _record(text):
-    """The jaxoverlap custom calls of a lowered module (in order) and the collectives left."""
-    calls = []
-    for line in text.splitlines():
-        if "stablehlo.custom_call @jaxoverlap_" not in line:
-            continue
-        m = _CALL.search(line.strip())
-        assert m, line
-        target, _, attrs, operands, results = m.groups()
-        calls.append(
-            dict(
-                target=target,
-                operands=_types(operands),
-                results=_types(results),
-                attributes=_attributes(attrs),
-            )
-        )
-    left = sorted({c for c in COLLECTIVES if f"stablehlo.{c}" in text})
-    return dict(calls=calls, collectives=left)
 
 
 def _lower(fn, *args):
@@ -376,8 +325,31 @@ CASES = {
 }
 
 
-def _load():
-    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+def _load(path=None):
+    path = path or GOLDEN
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+KNOBS = ("stall_rank", "profile")
+
+
+def _knob_free(call):
+    """No test-only knob anywhere in the call's attributes (backend_config or elsewhere)."""
+    return not re.search(r"\b(stall_rank|profile)\b", json.dumps(call["attributes"]))
+
+
+def _check_knobs(golden, twin):
+    """D17 in a golden file: a production call carries no knob attribute in any form; a call is
+    a ``_knobs`` twin exactly when it carries both, and twins appear in the knobs/ cases only."""
+    for case, g in golden.items():
+        for c in g["calls"]:
+            assert case.startswith("knobs/") or not c["target"].endswith("_knobs"), (case, c)
+            is_twin = c["target"].endswith(twin + "_knobs")
+            assert is_twin or c["target"].endswith(twin), c
+            if is_twin:
+                assert set(KNOBS) <= set(c["attributes"]["mhlo.backend_config"]), c
+            else:
+                assert _knob_free(c), c
 
 
 def test_golden_covers_every_case_and_target():
@@ -387,13 +359,15 @@ def test_golden_covers_every_case_and_target():
     golden = _load()
     assert sorted(golden) == sorted(CASES), "run with JAXOVERLAP_UPDATE_GOLDEN=1 and review"
     targets = {c["target"] for g in golden.values() for c in g["calls"]}
-    # The knobs' twins (D17) only where a knob is set, and no production call carries a knob.
-    for case, g in golden.items():
+    # The knobs' twins (D17) only where a knob is set, and no production call carries a knob,
+    # in the token form (here) and without the token (the default and the barrier form).
+    _check_knobs(golden, "_v2")
+    for g in golden.values():
         for c in g["calls"]:
-            assert case.startswith("knobs/") or not c["target"].endswith("_knobs"), (case, c)
-            knobs = {"stall_rank", "profile"} & set(c["attributes"]["mhlo.backend_config"])
-            assert bool(knobs) == c["target"].endswith("_knobs"), c
             assert c["operands"][-1] == c["results"][-1] == "!stablehlo.token", c
+    v3 = _load(GOLDEN_V3)
+    assert sorted(v3) == sorted(CASES), "run with JAXOVERLAP_UPDATE_GOLDEN=1 and review"
+    _check_knobs(v3, "_v3")
     targets = {t for t in targets if not t.endswith("_knobs")}
     assert targets == {
         "jaxoverlap_gemm_rs_v2",
@@ -431,14 +405,41 @@ def test_lowering_matches_golden(lowering_only, monkeypatch, case):
 
 
 GOLDEN_V1 = GOLDEN.with_name("custom_calls_v1.json")
+GOLDEN_V3 = GOLDEN.with_name("custom_calls_v3.json")
+
+
+def _as_v3(call):
+    """What a ``_v1`` call of before issue 26 is as a ``_v3`` call (D17): the same operands,
+    results and attributes, the knobs dropped where neutral (stall_rank -1, profile 0), else
+    kept on the ``_v3_knobs`` twin."""
+    config = dict(call["attributes"]["mhlo.backend_config"])
+    knobs = {k: config.pop(k) for k in KNOBS}
+    neutral = knobs == {"stall_rank": "-1 : i64", "profile": "0 : i64"}
+    target = call["target"][: -len("_v1")] + ("_v3" if neutral else "_v3_knobs")
+    attributes = dict(
+        call["attributes"], **{"mhlo.backend_config": config if neutral else dict(config, **knobs)}
+    )
+    return dict(call, target=target, attributes=attributes)
+
+
+def test_v3_is_the_v1_contract_without_knobs():
+    """custom_calls_v3.json is custom_calls_v1.json (the lowering of before issue 26, 9ea46a7,
+    changed since only where the lowering meant to: the tuned tile call's swizzle) call for call,
+    renamed, the neutral knobs dropped: the handlers receive what they did, less the knobs."""
+    if UPDATE:
+        pytest.skip("rewriting the golden files")
+    v1, v3 = _load(GOLDEN_V1), _load(GOLDEN_V3)
+    assert sorted(v1) == sorted(v3) == sorted(CASES)
+    for case in CASES:
+        want = dict(v1[case], calls=[_as_v3(c) for c in v1[case]["calls"]])
+        assert v3[case] == want, case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
+def test_default_lowering_is_the_v3_contract(lowering_only, monkeypatch, case):
     """With the order token off -- the default (jaxoverlap/fused/call.py ORDER_CALLS; the CPU
-    suite turns it on) -- every case lowers to the ``_v1`` targets exactly as before issue 26:
-    tests/golden/custom_calls_v1.json is the golden file of 2026-12-02 before the token
-    (9ea46a7), changed since only where the lowering meant to (the tuned tile call's swizzle)."""
+    suite turns it on) -- every case lowers to the ``_v3`` targets of custom_calls_v3.json: no
+    token, no effect, no knob on a production call (D17)."""
     from jaxoverlap.fused import call
 
     monkeypatch.setattr(call, "ORDER_CALLS", False)
@@ -450,26 +451,29 @@ def test_default_lowering_is_the_v1_contract(lowering_only, monkeypatch, case):
     finally:
         jax.clear_caches()
     if UPDATE:
-        golden = json.loads(GOLDEN_V1.read_text()) if GOLDEN_V1.exists() else {}
+        golden = _load(GOLDEN_V3)
         golden[case] = got
-        GOLDEN_V1.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+        GOLDEN_V3.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
         return
-    want = json.loads(GOLDEN_V1.read_text()).get(case)
-    assert want is not None, f"{case} is not in {GOLDEN_V1.name}: JAXOVERLAP_UPDATE_GOLDEN=1"
+    want = _load(GOLDEN_V3).get(case)
+    assert want is not None, f"{case} is not in {GOLDEN_V3.name}: JAXOVERLAP_UPDATE_GOLDEN=1"
     assert got == want
     for c in got["calls"]:
-        assert c["target"].endswith("_v1") and "!stablehlo.token" not in c["operands"], c
+        assert "!stablehlo.token" not in c["operands"] + c["results"], c
+        assert c["target"].endswith("_v3_knobs") or (c["target"].endswith("_v3") and _knob_free(c))
         # the name tests and tools look for in HLO text (fused.emitted) is the emitted one
-        assert jaxoverlap.fused.emitted(c["target"][: -len("_v1")] + "_v2") == c["target"], c
+        base = c["target"].removesuffix("_knobs")
+        assert jaxoverlap.fused.emitted(base[: -len("_v3")] + "_v2") == base, c
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_barrier_form_calls_are_the_v1_contract(lowering_only, monkeypatch, case):
+def test_barrier_form_calls_are_the_v3_contract(lowering_only, monkeypatch, case):
     """The order's barrier form (jaxoverlap/fused/call.py ORDER_FORM, the default) changes nothing
     the handlers receive: each case emits as many calls as with the token (custom_calls.json),
-    and the ``_v1`` golden file's calls among them exactly (the order off, JAX drops a fused call
+    and the ``_v3`` golden file's calls among them exactly (the order off, JAX drops a fused call
     whose results are unused, as in a grad that needs no forward values; an effect keeps it);
-    the order is two optimization barriers per call around it, the token in each."""
+    the order is two optimization barriers per call around it, the token in each; no production
+    call carries a knob."""
     from jaxoverlap.fused import call
 
     monkeypatch.setattr(call, "ORDER_FORM", "barrier")
@@ -478,8 +482,9 @@ def test_barrier_form_calls_are_the_v1_contract(lowering_only, monkeypatch, case
     text = CASES[case](monkeypatch)
     got = _record(text)["calls"]
     assert len(got) == len(_load()[case]["calls"])
-    want = json.loads(GOLDEN_V1.read_text())[case]["calls"]
+    want = _load(GOLDEN_V3)[case]["calls"]
     it = iter(got)
-    assert all(any(c == w for c in it) for w in want), "the v1 calls are not among them"
+    assert all(any(c == w for c in it) for w in want), "the v3 calls are not among them"
+    assert all(_knob_free(c) for c in got if not c["target"].endswith("_knobs")), got
     barriers = [ln for ln in text.splitlines() if "stablehlo.optimization_barrier" in ln]
     assert len(barriers) == 2 * len(got) and all("!stablehlo.token" in ln for ln in barriers)

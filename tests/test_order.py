@@ -378,22 +378,33 @@ def test_remat_and_grad_chain_forward_and_backward_calls(form):
     assert order[0] == rs and len(order) >= 4, order
 
 
-def test_knobs_reach_only_their_twin_targets(lowering_only, monkeypatch):
-    """D17: the production _v2 call carries no test knob; under a knob the call goes to the
-    target's _knobs twin with both knob attributes (the token form's targets)."""
+@pytest.mark.parametrize("order_form", ["token", "barrier", "off"])
+def test_knobs_reach_only_their_twin_targets(lowering_only, monkeypatch, order_form):
+    """D17: a production call carries no test knob, in any form (_v2 in the token form, _v3 in
+    the barrier form and with the order off); under a knob the call goes to the target's _knobs
+    twin with both knob attributes, and `fused.emitted` names it."""
     from jaxoverlap.fused import call
 
-    monkeypatch.setattr(call, "ORDER_FORM", "token")
+    monkeypatch.setattr(call, "ORDER_FORM", "barrier" if order_form == "off" else order_form)
+    monkeypatch.setattr(call, "ORDER_CALLS", order_form != "off")
+    jax.clear_caches()  # traces of the same functions in another form would be reused
     f = jax.jit(_fn(three_calls(fused_ops(FUSED))))
     text = f.trace(*_args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "stall_rank" not in text and "profile" not in text and "_knobs" not in text
+    version = "_v2" if order_form == "token" else "_v3"
+    assert f"@{fused.AG_GEMM_TARGET[: -len('_v2')]}{version}(" in text
     with fused._stalled_rank_for_tests(1, fused.AG_GEMM_TARGET):
         g = jax.jit(_fn(three_calls(fused_ops(FUSED))))
         text = g.trace(*_args()).lower(lowering_platforms=("cuda",)).as_text()
+        twin = fused.emitted(fused.AG_GEMM_TARGET)
+        plain = fused.emitted(fused.GEMM_RS_TARGET)
+    jax.clear_caches()
+    assert twin.endswith(version + "_knobs") and plain.endswith(version), (twin, plain)
     calls = [ln for ln in text.splitlines() if "custom_call @jaxoverlap" in ln]
-    knobbed = [ln for ln in calls if f"@{fused.AG_GEMM_TARGET}_knobs(" in ln]
+    knobbed = [ln for ln in calls if f"@{twin}(" in ln]
     assert len(knobbed) == 1 and "stall_rank = 1" in knobbed[0] and "profile = 0" in knobbed[0]
-    assert all("stall_rank" not in ln for ln in calls if ln not in knobbed)
+    assert all("stall_rank" not in ln and "profile" not in ln for ln in calls if ln not in knobbed)
+    assert sum(f"@{plain}(" in ln for ln in calls) == 2
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -418,16 +429,21 @@ def test_ahead_of_time_executable_runs_twice():
         np.testing.assert_array_equal(c(*args), first)
 
 
-def test_the_extension_registers_v2_their_twins_and_v1():
-    """ffi/registry.cc: every target the lowering emits (fused/targets.py), its _knobs twin, and
-    the _v1 target that programs compiled before issue 26 name (kept, unchanged)."""
+def test_the_extension_registers_v3_v2_their_twins_and_v1():
+    """ffi/registry.cc: for every op (fused/targets.py) the targets the lowering emits -- _v3 (no
+    token) and _v2 (the token form) --, their _knobs twins, and the _v1 target that programs
+    compiled before issue 26 name (kept, unchanged); nothing else."""
     from jaxoverlap.fused import targets
 
     if runtime.native() is None:
         pytest.skip(f"the native extension is not built here: {runtime.unavailable_reason()}")
     names = set(runtime.native().registrations())
-    v1 = {t.replace("_v2", "_v1") for t in targets.ALL}
-    assert names == set(targets.ALL) | {targets.with_knobs(t) for t in targets.ALL} | v1
+    want = set()
+    for t in targets.ALL:
+        v3 = targets.v3(t)
+        want |= {t, targets.with_knobs(t), v3, targets.with_knobs(v3), targets.v1(t)}
+    assert len(want) == 5 * len(targets.ALL)
+    assert names == want
 
 
 # ----------------------------------------------------------------------------- CONCURRENT

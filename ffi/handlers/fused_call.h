@@ -294,8 +294,8 @@ using Call = FusedCall::Call;
 
 // The attributes every fused target takes after its own (the lowering, jaxoverlap/fused/call.py,
 // sends them by name; XLA matches attributes by name, so their place in the binding is free).
-// The _v2 targets bind the production attributes only; their `_knobs` twins (test- and tool-only,
-// D17) also `stall_rank` and `profile`, as every _v1 target does.
+// Production targets (_v3, _v2) bind these only; the test- and tool-only knobs (D17) `stall_rank`
+// and `profile` are bound by their `_knobs` twins (_v3_knobs, _v2_knobs) and by every _v1 target.
 template <bool kKnobs, typename Binding>
 auto bind_common_attrs(Binding&& binding) {
   auto common = std::move(binding)
@@ -321,38 +321,42 @@ auto bind_common_attrs(Binding&& binding) {
 // The entries XLA calls for a handler `ffi::Error Impl(const Call&, buffers..., own
 // attributes...)`: XLA's stream and device, Impl's arguments, (_v2: the order token in and out,
 // bound after Impl's buffers, so each is the call's last operand and last result), then the common
-// attributes and the run id, which they hand on as one Call. Production calls (_v2) carry no
-// test-only knob: Impl sees their neutral values (stall_rank -1, profile 0).
+// attributes and the run id, which they hand on as one Call. Two bindings of the attributes
+// (`knobs`: with the knobs, the _v1 = _v3_knobs ABI; `plain`: without, _v3), each also behind the
+// token (_v2_knobs, _v2). Production calls (_v3, _v2) carry no test-only knob: Impl sees their
+// neutral values (stall_rank -1, profile 0).
 template <auto Impl>
 struct Entry;
 template <typename... T, ffi::Error (*Impl)(const Call&, T...)>
 struct Entry<Impl> {
-  static ffi::Error run(cudaStream_t stream, int32_t device, T... args, int64_t site,
-                        ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                        ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                        int64_t chunks, double timeout_s, int64_t call_tag, int64_t stall_rank,
-                        int64_t profile, int64_t run_id) {
+  // No token; the knobs as attributes: _v1 (kept for programs compiled against it) and _v3_knobs.
+  static ffi::Error knobs(cudaStream_t stream, int32_t device, T... args, int64_t site,
+                          ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                          ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                          int64_t chunks, double timeout_s, int64_t call_tag, int64_t stall_rank,
+                          int64_t profile, ffi::RunId run_id) {
     return Impl(Call{stream, device,
                      {site, ordinals, ranks, groups, n, comm_sms, chunks, timeout_s, stall_rank,
-                      profile, call_tag, run_id}},
+                      profile, call_tag, run_id.run_id}},
                 std::move(args)...);
   }
-  // _v1 (no token; knobs as attributes): kept for programs compiled against it.
-  static ffi::Error v1(cudaStream_t stream, int32_t device, T... args, int64_t site,
-                       ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
-                       ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
-                       int64_t chunks, double timeout_s, int64_t call_tag, int64_t stall_rank,
-                       int64_t profile, ffi::RunId run_id) {
-    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
-               chunks, timeout_s, call_tag, stall_rank, profile, run_id.run_id);
+  // No token, no knob: _v3, the lowering's production target.
+  static ffi::Error plain(cudaStream_t stream, int32_t device, T... args, int64_t site,
+                          ffi::Span<const int32_t> ordinals, ffi::Span<const int32_t> ranks,
+                          ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
+                          int64_t chunks, double timeout_s, int64_t call_tag,
+                          ffi::RunId run_id) {
+    return knobs(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+                 chunks, timeout_s, call_tag, /*stall_rank=*/-1, /*profile=*/0, run_id);
   }
+  // The order token in and out (_v2; the token form, jaxoverlap/fused/call.py ORDER_FORM).
   static ffi::Error v2(cudaStream_t stream, int32_t device, T... args, ffi::Token,
                        ffi::Result<ffi::Token>, int64_t site, ffi::Span<const int32_t> ordinals,
                        ffi::Span<const int32_t> ranks, ffi::Span<const int32_t> groups,
                        int64_t n, int64_t comm_sms, int64_t chunks, double timeout_s,
                        int64_t call_tag, ffi::RunId run_id) {
-    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
-               chunks, timeout_s, call_tag, /*stall_rank=*/-1, /*profile=*/0, run_id.run_id);
+    return plain(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+                 chunks, timeout_s, call_tag, run_id);
   }
   static ffi::Error v2_knobs(cudaStream_t stream, int32_t device, T... args, ffi::Token,
                              ffi::Result<ffi::Token>, int64_t site,
@@ -360,8 +364,8 @@ struct Entry<Impl> {
                              ffi::Span<const int32_t> groups, int64_t n, int64_t comm_sms,
                              int64_t chunks, double timeout_s, int64_t call_tag,
                              int64_t stall_rank, int64_t profile, ffi::RunId run_id) {
-    return run(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
-               chunks, timeout_s, call_tag, stall_rank, profile, run_id.run_id);
+    return knobs(stream, device, std::move(args)..., site, ordinals, ranks, groups, n, comm_sms,
+                 chunks, timeout_s, call_tag, stall_rank, profile, run_id);
   }
 };
 
@@ -371,13 +375,18 @@ struct Entry<Impl> {
 #define JAXOVERLAP_FFI_PRELUDE                                         \
   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>() \
       .Ctx<xla::ffi::DeviceOrdinal>()
-// Defines the FFI symbols `name`V1, `name`V2 and `name`V2Knobs of handler `impl`, whose buffers and
-// own attributes are bound by the binding steps `...` (.Arg<>(), .Ret<>(), .Attr<>(); registry.cc
-// gives the symbols their names: jaxoverlap_..._v1, _v2 and _v2_knobs).
+// Defines the four FFI symbols of handler `impl`, whose buffers and own attributes are bound by the
+// binding steps `...` (.Arg<>(), .Ret<>(), .Attr<>()): `name`Knobs (no token, the knobs), `name`V3
+// (no token, no knob), `name`V2 (the token, no knob) and `name`V2Knobs (the token, the knobs).
+// registry.cc names them: `name`Knobs is jaxoverlap_..._v1 and jaxoverlap_..._v3_knobs (one ABI),
+// `name`V3 jaxoverlap_..._v3, `name`V2 jaxoverlap_..._v2, `name`V2Knobs jaxoverlap_..._v2_knobs.
 #define JAXOVERLAP_FUSED_TARGET(name, impl, ...)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
-      name##V1, jaxoverlap::Entry<impl>::v1,                                                 \
+      name##Knobs, jaxoverlap::Entry<impl>::knobs,                                           \
       jaxoverlap::bind_common_attrs<true>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__));              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
+      name##V3, jaxoverlap::Entry<impl>::plain,                                              \
+      jaxoverlap::bind_common_attrs<false>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__));             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
       name##V2, jaxoverlap::Entry<impl>::v2,                                                 \
       jaxoverlap::bind_common_attrs<false>(JAXOVERLAP_FFI_PRELUDE __VA_ARGS__                \

@@ -37,7 +37,11 @@ cudaError_t launch_ce_wait_slot_free(const Peers& peers, int dst, int op, uint64
 // Copy stream, after the push of chunk `chunk` into rank `dst`'s slot: count it landed on `dst`
 // (ce_landed_word = chunk + 1) by a stream write of a constant (cuStreamWriteValue32: no SM, right
 // under capture), or a one-thread kernel if the driver refuses the write (counted:
-// ce_signal_fallbacks). The call's launch_ce_wait_slot_free for `dst` must precede it on `stream`
+// ce_signal_fallbacks). The fallback helps outside capture only: under XLA's capture a stream
+// operation the driver refuses can invalidate the capture (CUDA invalidates a capture on an
+// operation it cannot record), and then the kernel launched after it is not recorded either --
+// the caller's CK reports the lost capture (capture_lost) and the call fails, the fallback
+// counted but useless. Not seen: tests/gpu/test_xproc_gpu.py's command-buffer test asserts 0. The call's launch_ce_wait_slot_free for `dst` must precede it on `stream`
 // (it announces the call: every copy-engine schedule waits for its slots first).
 // stall_rank == rank: never (tests). `gathered`: Flags::gathered[rank][chunk] = epoch + 1 instead
 // (the all-reduce's reduced chunks), by a one-thread kernel that decides when it runs whether the

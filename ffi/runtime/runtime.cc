@@ -211,7 +211,8 @@ void schedule_report(const std::string& found) {
   for_each_workspace([&](Workspace* ws) {
     if (ws->spans) {  // no symmetric refusal across processes: refused from now on (runtime.h)
       if (ws->broken.empty()) ws->broken = found;
-      if (uint32_t* dead = ws->peers[ws->local].dead) write_word(ws, dead, 1);
+      if (uint32_t* dead = ws->peers[ws->local].dead)
+        write_word(ws, dead, 1, "the dead word of a workspace spanning processes");
       return;
     }
     uint32_t last = 0;
@@ -245,11 +246,13 @@ void notice_errors() {
 
 }  // namespace
 
+void note_failure(const std::string& what) {
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  g_pending.push_back(what);
+}
+
 void report_failure(const std::string& what) {
-  {
-    std::lock_guard<std::mutex> lock(g_pending_mu);
-    g_pending.push_back(what);
-  }
+  note_failure(what);
   schedule_report(what);
 }
 

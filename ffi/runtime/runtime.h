@@ -75,6 +75,10 @@ std::string take_error();
 // Queues a failure found by a host (not a kernel) for pending_error() and schedules its report
 // on every workspace, like a kernel's timeout record.
 void report_failure(const std::string& what);
+// Queues `what` for pending_error() (check_errors() raises it) without scheduling its report on
+// the workspaces -- report_failure's first half, which takes no workspace's seq_mu, so it may be
+// called under one: for a failure beside another that is reported anyway (write_word).
+void note_failure(const std::string& what);
 
 // Memory that every rank of a group can read and write: allocated once per pool key (ws_class.h:
 // the group, the size class of the call's block and its areas; the site too for an exact one) on
@@ -164,7 +168,9 @@ uint32_t begin_call(Workspace* ws, int rank, CallId id, std::string* refused, bo
 void abort_call(Workspace* ws, uint32_t index);
 // Host write of a word of `ws`'s abort ring or of its dead word (both in device memory of
 // ws->abort_device): a stream write on ws->abort_stream, no SM, not behind any spinning kernel.
-void write_word(Workspace* ws, uint32_t* word, uint32_t value);
+// `what` names the word; if it cannot be written at all, that is noted (note_failure): the
+// waits it would have ended early then end by their own timeouts.
+void write_word(Workspace* ws, uint32_t* word, uint32_t value, const std::string& what);
 
 // The workspace of a call (site, `ordinals`, its block of `block_bytes`) from the pool: shared by
 // every call of the same group, size class and areas (ws_class.h: pool_key), or `exact`: its

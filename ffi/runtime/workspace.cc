@@ -71,17 +71,28 @@ void for_each_workspace(const std::function<void(Workspace*)>& fn) {
   }
 }
 
-void write_word(Workspace* ws, uint32_t* word, uint32_t value) {
+void write_word(Workspace* ws, uint32_t* word, uint32_t value, const std::string& what) {
   // A stream write on the ring's side stream (no SM, not behind any kernel of the device's other
   // streams), or, if the driver refuses it, a 4-byte copy from pageable memory (staged before
-  // cudaMemcpyAsync returns). Best effort: the waits also end by their own timeouts.
+  // cudaMemcpyAsync returns). If neither can be issued, the word stays down: the waits it would
+  // have ended end by their own timeouts, and the failure is noted for check_errors() (noted,
+  // not reported: the callers hold a workspace's seq_mu, and they report the failure that made
+  // them raise it anyway).
   DeviceGuard guard;
-  if (cudaSetDevice(ws->abort_device) != cudaSuccess) return;
-  if (stream_write_u32(ws->abort_stream, word, value) != cudaSuccess) {
+  std::string failed;
+  if (cudaError_t e = cudaSetDevice(ws->abort_device)) {
+    failed = cuda_error("cudaSetDevice", e);
+  } else if (cudaError_t w = stream_write_u32(ws->abort_stream, word, value)) {
     cudaGetLastError();
-    cudaMemcpyAsync(word, &value, sizeof(value), cudaMemcpyHostToDevice, ws->abort_stream);
+    if (cudaError_t c = cudaMemcpyAsync(word, &value, sizeof(value), cudaMemcpyHostToDevice,
+                                        ws->abort_stream))
+      failed = cuda_error("the stream write", w) + "; " + cuda_error("the 4-byte copy", c);
   }
   cudaGetLastError();
+  if (!failed.empty())
+    note_failure("raising " + what + " on device " + std::to_string(ws->abort_device) +
+                 " failed (" + failed + "): the waits it would have ended at once end by their "
+                 "own timeouts");
 }
 
 void abort_call(Workspace* ws, uint32_t index) {
@@ -89,8 +100,10 @@ void abort_call(Workspace* ws, uint32_t index) {
   // goes first (the same stream: in that order), so this rank's kernels of the call (signals
   // included) stop before the abort lets its waits give up and its pushes carry garbage (ce.cu,
   // ce_wait_slot_free_kernel).
-  if (ws->spans && ws->peers[ws->local].dead) write_word(ws, ws->peers[ws->local].dead, 1);
-  write_word(ws, abort_word(ws->abort, index), index);
+  if (ws->spans && ws->peers[ws->local].dead)
+    write_word(ws, ws->peers[ws->local].dead, 1, "the dead word of a workspace spanning processes");
+  write_word(ws, abort_word(ws->abort, index), index,
+             "the abort word of call " + std::to_string(index));
 }
 
 std::string allocate_abort(Workspace* ws) {

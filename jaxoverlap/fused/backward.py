@@ -3,7 +3,7 @@
 For ``y = all_gather(x) @ w`` trained in both x and w, the backward needs
 ``dx = psum_scatter(ct @ w.T)`` and ``dW = all_gather(x).T @ ct``. XLA runs the reduce-scatter
 between the two GEMMs with nothing beside it (measured: every collective of a TP layer's step is
-exposed). The custom call ``jaxoverlap_dgrad_rs_wgrad_v1`` (ffi/handlers/dgrad_rs_wgrad.cc) runs
+exposed). The custom call ``jaxoverlap_dgrad_rs_wgrad_v3`` (ffi/handlers/dgrad_rs_wgrad.cc) runs
 the dgrad GEMM
 whole, pushes the peers' blocks of its result with the copy engine while the weight-gradient GEMM
 runs, then sums what arrived: the reduce-scatter hides behind dW's GEMM and neither GEMM is split

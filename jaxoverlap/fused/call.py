@@ -6,9 +6,11 @@ as a `Spec`; `emit` does *how*, the same way for every target: register the exte
 derive the workspace key (`site_key`) and the call tag (`_call_tag`), map the workspace across
 processes where the group spans them (`xproc.prepare`, in `_table_attrs`), add the attributes
 every call carries (group table, settings, timeout), thread the device's order token through the
-call (`FusedOrder`) and emit the custom call (``jax.ffi.ffi_lowering``): the `_v2` target, or its
-``_knobs`` twin when a test-only or tool-only knob is set (`knob_attrs`; production calls carry
-none, D17). No other module of the package emits one (tests/test_structure.py checks it).
+call (`FusedOrder`) and emit the custom call (``jax.ffi.ffi_lowering``): the `_v3` target (no
+token) or, in the order's token form, the `_v2` target, each's ``_knobs`` twin when a test-only
+or tool-only knob is set (`knob_attrs`; production calls carry none, D17;
+`jaxoverlap.fused.targets`). No other module of the package emits one (tests/test_structure.py
+checks it).
 
 **Order (issue 26, R2).** Every fused primitive has the `FusedOrder` effect, registered with JAX
 as ordered and shardable: JAX threads one token per device through the ordered effects of a
@@ -91,8 +93,8 @@ for _set in _ALLOWED_SETS:
 # XLA's GPU compiler (jaxlib 0.11.2) crashed in PriorityFusion on a scanned two-layer training
 # step with the token threaded through the fused calls (tests/gpu/test_xproc_gpu.py,
 # scanned_training), and JAX dispatches any program with an effect in Python (~0.8 ms a call on
-# the CPU machine). Off, nothing changes from before issue 26: the `_v1` targets, no token, no
-# effect (`_emit_v1`).
+# the CPU machine). Off: no token, no effect, the `_v3` targets (the `_v1` contract of before
+# issue 26 without the test-only knobs, D17).
 ORDER_CALLS = os.environ.get("JAXOVERLAP_ORDER_CALLS", "") == "1"
 # The fused primitives' effects when the order is on (empty where this jax lacks the private
 # sets: then the calls get a fresh token each, unordered).
@@ -106,7 +108,7 @@ def fused_effects():
 
 
 # How `emit` ties a call to the order token while the order is on. "barrier" (the default): the
-# `_v1` call, its first operand passed through an optimization barrier with the token, and the
+# `_v3` call, its first operand passed through an optimization barrier with the token, and the
 # token through one with its first result after it (`_barrier`): the call waits for the token,
 # the next token for the call; XLA keeps the barriers through scheduling and removes them after
 # (OptimizationBarrierExpander), so they cost nothing at run time. "token": the token as the
@@ -129,11 +131,13 @@ def _token_operand():
 
 
 def emitted(target):
-    """The name a call of ``target`` (a `targets` constant, ``_v2``) has in the compiled HLO now:
-    ``target`` while the order token is an operand of the call (`ORDER_CALLS`, `ORDER_FORM`),
-    else its ``_v1`` twin (`emit`). Tests and tools that look for a fused call in HLO text look
-    for this name."""
-    return target if _token_operand() else targets.v1(target)
+    """The name a call of ``target`` (a `targets` constant, ``_v2``) lowered now has in the
+    compiled HLO (`emit`): ``target`` while the order token is an operand of the call
+    (`ORDER_CALLS`, `ORDER_FORM`), else its ``_v3`` twin; the ``_knobs`` twin of that while a
+    knob applies to ``target`` (`knob_attrs`). Tests and tools that look for a fused call in HLO
+    text look for this name."""
+    name = target if _token_operand() else targets.v3(target)
+    return targets.with_knobs(name) if knob_attrs(target) else name
 
 
 def _barrier(values):
@@ -243,8 +247,8 @@ def _table_attrs(table, comm_sms, chunks, timeout_s, kind=(), ctx=None, spec=Non
 
 def knob_attrs(target):
     """The test-only and tool-only knobs (`jaxoverlap.fused.knobs`) a call of ``target`` lowered
-    now carries: {} when none is set -- the production `_v2` target, which has no knob attribute
-    (D17) --, else both knobs, for the target's ``_knobs`` twin."""
+    now carries: {} when none is set -- the production target (`_v3`, or `_v2` in the token
+    form), which has no knob attribute (D17) --, else both knobs, for its ``_knobs`` twin."""
     stall = int(_stall_rank.get()) if _stall_target.get() in (None, target) else -1
     profile = int(_profile.get())
     return {} if (stall, profile) == (-1, 0) else dict(stall_rank=stall, profile=profile)
@@ -356,19 +360,17 @@ def emit(ctx, table, spec, *operands):
     returns its results (without the scratch). With the order on (`ORDER_CALLS`), ordered after
     the previous fused call of the device and before the next (``ctx``'s rule outputs a token
     that depends on the call), as `ORDER_FORM` says: the token as the last operand and result
-    of the `_v2` target or its ``_knobs`` twin, or the `_v1` call between two optimization
-    barriers with the token (its first operand through the one before, its first result through
-    the one after). Off (the default), on the `_v1` target, which takes no token and
-    carries the knobs on every call, as before issue 26."""
+    of the `_v2` target, or the `_v3` call between two optimization barriers with the token (its
+    first operand through the one before, its first result through the one after). Off (the
+    default), on the `_v3` target, which takes no token. Production calls carry no knob; under
+    a knob, the target's ``_knobs`` twin carries both (D17)."""
     runtime.register_targets()
     knobs = knob_attrs(spec.target)
     ordered, token_operand = bool(fused_effects()), _token_operand()
-    if token_operand:
-        target = targets.with_knobs(spec.target) if knobs else spec.target
-    else:
+    name = spec.target if token_operand else targets.v3(spec.target)
+    target = targets.with_knobs(name) if knobs else name
+    if not token_operand:  # the workspace key names the `_v1` target, as before `_v3`
         spec = dataclasses.replace(spec, kind=(targets.v1(spec.target), *spec.kind[1:]))
-        target = spec.target
-        knobs = dict(stall_rank=knobs.get("stall_rank", -1), profile=knobs.get("profile", 0))
     attrs = _table_attrs(
         table, spec.comm_sms, spec.chunks, spec.timeout_s, spec.kind, ctx, spec.workspace
     )

@@ -167,17 +167,19 @@ def _schedule(op, params, ndim):
 
 def kernel(op, x, w, params, axis_size, keep_gathered=False, target=None):
     """``(FFI target, its schedule in words)``: the custom call `lower` emits for a call that
-    runs fused (``explain`` names it). Routed as `lower` routes (`_schedule`); the reduce-scatter
-    over rows takes its kernel and settings from `policy.rows_setting`, as `rows.lower_scatter`
-    does. ``target``: as `unsupported_reason`'s."""
+    runs fused (``explain`` names it: `call.emitted`, the name in the HLO of a program lowered
+    now). Routed as `lower` routes (`_schedule`); the reduce-scatter over rows takes its kernel
+    and settings from `policy.rows_setting`, as `rows.lower_scatter` does. ``target``: as
+    `unsupported_reason`'s."""
     gather = op == "all_gather_matmul"
     if _schedule(op, params, x.ndim) is last_dim:
         if gather:
-            return targets.AG_K_TARGET, "the all-gather along K"
-        return targets.GEMM_RS_TARGET, "the last dimension, as the transposed problem"
+            return call.emitted(targets.AG_K_TARGET), "the all-gather along K"
+        return call.emitted(targets.GEMM_RS_TARGET), "the last dimension, as the transposed problem"
     if gather:
         kept = ", also returning the gathered x" if keep_gathered else ""
-        return rows.gather_target(keep_gathered), f"row blocks pushed by the copy engine{kept}"
+        name = call.emitted(rows.gather_target(keep_gathered))
+        return name, f"row blocks pushed by the copy engine{kept}"
     config, m_total, n = params["config"], policy._rows(x.shape), int(axis_size)
     name, chunks, comm_sms = policy.rows_setting(
         op, config, m_total, x.shape[-1], w.shape[1], x.dtype, n, target
@@ -189,4 +191,4 @@ def kernel(op, x, w, params, axis_size, keep_gathered=False, target=None):
         targets.GEMM_AR_TARGET: f"{chunks} chunk(s) per block, {comm_sms} SMs reducing, then "
         "the copy engine gathering the reduced rows",
     }
-    return name, how[name]
+    return call.emitted(name), how[name]

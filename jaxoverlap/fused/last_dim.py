@@ -10,7 +10,7 @@ copy on either side of the call:
   when w is itself the transpose of a row-major array (``w_colmajor``, as in a backward's
   ``ct @ w.T``), that array read row-major;
 * ``x.T`` [K, M] is ``x`` ([..., K] flattened to [M, K], row-major) read column-major;
-* the custom call is jaxoverlap_gemm_rs_v1 with ``x_colmajor=1``: its A operand (``w.T``) is
+* the custom call is jaxoverlap_gemm_rs_v3 with ``x_colmajor=1``: its A operand (``w.T``) is
   column-major, a rank's row block is a block of it with leading dimension N
   (ffi/handlers/gemm_rs.cc);
 * its result, ``out.T`` [N / n, M] row-major, is declared as ``out`` [M, N / n] column-major, so
@@ -20,7 +20,7 @@ Everything else -- the schedule, the workspace, the failure path, the tuner's se
 for the transposed GEMM, N x K x M) -- is the row-scatter's.
 
 Gathering K (``all_gather(x, axis=-1) @ w``, x [..., K / n], the JAX docs' layout) is
-``sum_p x_p @ w[K-block p]``: jaxoverlap_ag_gemm_k_v1 (ffi/handlers/ag_gemm.cc) pushes the blocks
+``sum_p x_p @ w[K-block p]``: jaxoverlap_ag_gemm_k_v3 (ffi/handlers/ag_gemm.cc) pushes the blocks
 by copy
 engine as the row gather does, starts with the own block's GEMM at once and adds each arriving
 block's GEMM into a float32 scratch (an extra XLA result, no memory held between calls), rounded

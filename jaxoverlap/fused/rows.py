@@ -2,15 +2,15 @@
 dimension, any but the last, made major-most by the custom call's layout (`call.rows_major`):
 
 * ``matmul_reduce_scatter``: the chunked GEMM + reduce-scatter (an SM partition pushes by TMA,
-  jaxoverlap_gemm_rs_v1), with ``comm_sms=0`` the copy engine pushes (jaxoverlap_gemm_rs_ce_v1),
+  jaxoverlap_gemm_rs_v3), with ``comm_sms=0`` the copy engine pushes (jaxoverlap_gemm_rs_ce_v3),
   or the tile schedule (`jaxoverlap.fused.tile`);
-* ``matmul_all_reduce`` as one call (jaxoverlap_gemm_ar_v1, ffi/handlers/gemm_rs.cc): the fused
+* ``matmul_all_reduce`` as one call (jaxoverlap_gemm_ar_v3, ffi/handlers/gemm_rs.cc): the fused
   reduce-scatter over rows, and as each reduced chunk of this rank's rows is done, the copy
   engine pushes it to every peer (no SMs), which copies it into its output. Both halves of the
   all-reduce's traffic overlap the GEMMs; every rank holds the owners' rows verbatim (bitwise
   equal outputs). Its settings and the decision are the tuner's for this op and shape;
-* ``all_gather_matmul`` (copy-engine pushes, jaxoverlap_ag_gemm_v1), and its variant that also
-  returns the gathered x (jaxoverlap_ag_gemm_keep_v1, the training path's forward).
+* ``all_gather_matmul`` (copy-engine pushes, jaxoverlap_ag_gemm_v3), and its variant that also
+  returns the gathered x (jaxoverlap_ag_gemm_keep_v3, the training path's forward).
 
 The settings come from `jaxoverlap.fused.policy`; the call is emitted by `call.emit`.
 """

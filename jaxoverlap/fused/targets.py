@@ -1,15 +1,22 @@
 """The FFI targets of the native extension, each name written once on this side (the other side:
 ``registrations()`` in ffi/registry.cc). A name is a contract with compiled programs: a change to a
-target's operands or attributes is a new ``_v2`` target, never an edit of a ``_v1``
-(tests/golden/custom_calls.json pins what each one receives).
+target's operands or attributes is a new target (a new version suffix), never an edit of an old
+one (tests/golden/ pins what each one receives).
 
-The ``_v2`` targets (issue 26) take the device's order token as their last operand and return one
-as their last result (`jaxoverlap.fused.call`, `FusedOrder`), and carry no test-only knob (D17):
-a call lowered under a knob (`jaxoverlap.fused.knobs`) goes to the target's ``_knobs`` twin
-(`with_knobs`), the same handler with ``stall_rank`` and ``profile`` attributes. The ``_v1``
-targets (no token; the knobs as attributes of every call) stay registered, unchanged: the lowering
-emits them while the order token is off (the default, `jaxoverlap.fused.call.ORDER_CALLS`), and
-programs compiled against them keep working."""
+Each op is named below by its ``_v2`` target; the other names derive from it:
+
+* ``_v3`` (`v3`; issue 26, D17): no order token and no test-only knob -- the production
+  attributes only. The lowering emits it while the order is off (the default) and in the
+  order's barrier form (`jaxoverlap.fused.call.ORDER_CALLS`, ``ORDER_FORM``).
+* ``_v2`` (the constants): the device's order token as the last operand and the last result
+  (`FusedOrder`), no knob; the order's token form.
+* ``_knobs`` twins (`with_knobs`) of both: the same handler and the same token (or none), plus
+  the ``stall_rank`` and ``profile`` attributes; a call lowered under a knob
+  (`jaxoverlap.fused.knobs`) goes there.
+* ``_v1`` (`v1`): no token, the knobs as attributes of every call -- what the lowering emitted
+  before issue 26. Registered unchanged for programs compiled against it (one ABI with
+  ``_v3_knobs``: the extension binds both names to one symbol); nothing emits it now.
+"""
 
 from __future__ import annotations
 
@@ -41,11 +48,21 @@ KNOBS_SUFFIX = "_knobs"
 
 
 def with_knobs(target):
-    """The test- and tool-only twin of ``target`` (ffi/registry.cc registers both)."""
+    """The test- and tool-only twin of ``target`` (a ``_v2`` or ``_v3`` name; ffi/registry.cc
+    registers both)."""
     return target + KNOBS_SUFFIX
+
+
+def _version(target, suffix):
+    assert target.endswith("_v2"), target
+    return target[: -len("_v2")] + suffix
 
 
 def v1(target):
     """The ``_v1`` target of a ``_v2`` one: no order token, the knobs on every call."""
-    assert target.endswith("_v2"), target
-    return target[: -len("_v2")] + "_v1"
+    return _version(target, "_v1")
+
+
+def v3(target):
+    """The ``_v3`` target of a ``_v2`` one: no order token, no knob (the production target)."""
+    return _version(target, "_v3")

@@ -47,7 +47,7 @@ class Candidate:
       path: for a rewrite, the path the op takes on the target's GPUs: ``"fused (why)"`` or
         ``"reference: <why>"`` (from `jaxoverlap.fused.unsupported_reason`).
       kernel: explain's, where the path is fused: the custom call lowering emits and its
-        schedule, e.g. ``"jaxoverlap_gemm_rs_v1 (2 chunk(s) per block, 4 SMs pushing by TMA)"``
+        schedule, e.g. ``"jaxoverlap_gemm_rs_v3 (2 chunk(s) per block, 4 SMs pushing by TMA)"``
         (from `jaxoverlap.fused.dispatch.kernel`).
       kind: ``"candidate"``; ``"near miss"`` (something between the pair stops it);
         ``"out of scope"`` (a pattern the ops do not implement, e.g. an FSDP weight gather).

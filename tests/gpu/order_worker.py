@@ -22,9 +22,14 @@ thunks in a row for XLA to build a command buffer). Prints ``<tag> OK ...`` or `
   call and a `jaxoverlap.FusedCallError` naming its op.
 * ``concurrent`` (run with ``JAXOVERLAP_COMMAND_BUFFERS=1`` and
   ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``): ``ORDER_ITERS`` executions (1,000),
-  every one bitwise equal to the first, no error, values near the reference; the fused calls were
-  kept out of the concurrent graphs (no handler call under capture: they ran as ordinary thunks
-  in program order, jaxoverlap.runtime.command_buffers).
+  every one bitwise equal to the first (this process's shards, compared on its GPU), no error,
+  values near the reference; the fused calls were kept out of the concurrent graphs (no handler
+  call under capture: they ran as ordinary thunks in program order,
+  jaxoverlap.runtime.command_buffers). Progress every ``ORDER_EVERY`` (100) executions; both
+  processes stop together, failed, before the next batch would pass ``ORDER_BUDGET_S``
+  (`run_concurrent`).
+
+``order_phase`` lines say when each process joined, compiled and finished.
 
 Every mode first prints ``hlo_chain``: the token edge from A to B in XLA's optimized HLO (the
 token form, jaxoverlap/fused/call.py ORDER_FORM), or A before B in its schedule (the barrier
@@ -52,15 +57,23 @@ def _rand(rng, *shape):
 def main(process, nproc, port, gpu, mode):
     from tests.gpu.xproc_worker import join
 
+    t_start = time.time()
     mesh, arr = join(process, nproc, port, gpu)
     import jax
+
+    def phase(what):  # where the time goes (no " OK"/" FAILED": not a result line)
+        print(f"order_phase {what} at {time.time() - t_start:.1f}s", flush=True)
+
+    phase("joined")
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap
     from jaxoverlap import Config, fused, runtime
 
-    timeout_s = 3.0 if mode == "graphs" else 60.0  # graphs: then the inversion, bounded
+    # graphs: then the inversion, bounded; concurrent: a wait that long is a hang, and it must
+    # show well inside the test's budget
+    timeout_s = 3.0 if mode == "graphs" else 10.0
     # ORDER_BACKEND=auto: the reference path (a smoke run of this script on CPUs)
     cfg = Config(backend=os.environ.get("ORDER_BACKEND", "fused"), timeout_s=timeout_s)
     # graphs: the calls in a 4-step lax.scan body (XLA graphs a loop body and replays it, its
@@ -134,6 +147,7 @@ def main(process, nproc, port, gpu, mode):
     # order token on every call), the inverted program too, then a barrier: neither process's
     # first call waits for the other's compilation.
     f = program(False).lower(*args).compile()
+    phase("compiled")
     targets = (fused.emitted(fused.GEMM_RS_TARGET), fused.emitted(fused.AG_GEMM_TARGET))
     if targets[0].endswith("_v2"):  # the token through the call: its edge
         hlo_chain(f.as_text())
@@ -148,6 +162,7 @@ def main(process, nproc, port, gpu, mode):
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("order/compiled", 120_000)
+    phase("both compiled")
     nat = runtime.native()
     try:
         if mode == "graphs":
@@ -155,10 +170,12 @@ def main(process, nproc, port, gpu, mode):
             distributed.global_state.client.wait_at_barrier("order/graphs", 120_000)
             run_inverted(g, inverted, args, process, shards, jaxoverlap, timeout_s)
         elif mode == "concurrent":
-            run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax)
+            client = distributed.global_state.client
+            run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax, client, process)
     except Exception as e:
         print(f"{mode} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
         traceback.print_exc()
+    phase("done")
     distributed.global_state.client.wait_at_barrier("order/done", 120_000)
 
 
@@ -311,25 +328,66 @@ def run_graphs(f, args, rel_err, bits, steps, executions=8):
     )
 
 
-def run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax):
+def run_concurrent(f, args, nat, rel_err, jaxoverlap, jnp, jax, client, process):
+    """``ORDER_ITERS`` (1,000) executions of ``f``, every one's shards of this process bitwise
+    equal to the first's. The comparison is this process's own: a jit over its addressable
+    shards (single-device arrays) folds ``equal`` into one flag on its GPU, no host copy and no
+    collective per execution. (A jit over the global arrays -- run 59's version -- reduces across
+    the processes: an all-reduce through NCCL, which refuses two ranks on one GPU.) Every
+    ``ORDER_EVERY`` (100) executions it waits for the flag and prints ``concurrent_progress``;
+    process 0 then decides for both (the key-value store) whether the next hundred fit the
+    budget ``ORDER_BUDGET_S`` (40 s), so that both stop at the same execution and neither's
+    fused call waits for a peer that stopped. Stopped short, the check fails, saying where."""
+    from functools import reduce
+
     iters = int(os.environ.get("ORDER_ITERS", "1000"))
-    same = jax.jit(lambda a, b, c, d: jnp.array_equal(a, c) & jnp.array_equal(b, d))
+    every = int(os.environ.get("ORDER_EVERY", "100"))
+    budget = float(os.environ.get("ORDER_BUDGET_S", "40"))
+
+    def mine(outs):
+        return [s.data for o in outs for s in o.addressable_shards]
+
+    @jax.jit
+    def same(ok, first, now):
+        return reduce(jnp.logical_and, [jnp.array_equal(a, b) for a, b in zip(first, now)], ok)
+
     before = nat.handler_calls()
     t0 = time.time()
     first = f(*args)
-    ok = jnp.array(True)
-    for _ in range(iters - 1):
-        ok = ok & same(*first, *f(*args))
+    mine_first = mine(first)
+    dev = mine_first[0].devices().pop()
+    ok = same(jax.device_put(np.bool_(True), dev), mine_first, mine_first)
+    jax.block_until_ready(ok)
+    print(f"concurrent_progress 1/{iters} first execution {time.time() - t0:.2f}s", flush=True)
+    done, t1, go = 1, time.time(), True
+    while done < iters and go:
+        for _ in range(min(every, iters - done)):
+            ok = same(ok, mine_first, mine(f(*args)))
+            done += 1
+        jax.block_until_ready(ok)
+        elapsed = time.time() - t0
+        rate = (time.time() - t1) / (done - 1)
+        print(
+            f"concurrent_progress {done}/{iters} {elapsed:.1f}s ({1e3 * rate:.2f} ms per "
+            f"execution) equal={bool(ok)}",
+            flush=True,
+        )
+        key = f"order/concurrent/{done}"
+        if process == 0:  # the next batch fits the budget at this rate: both go on, else stop
+            client.key_value_set(key, "1" if elapsed + every * rate < budget else "0")
+        go = client.blocking_key_value_get(key, 60_000) == "1"
     ok = bool(ok)
     dt = time.time() - t0
     jaxoverlap.check_errors()
     after = nat.handler_calls()
     calls, captured = after[0] - before[0], after[1] - before[1]
     err = rel_err(first)
-    good = ok and err < 5e-2 and captured == 0 and calls == 2 * iters
+    good = done == iters and ok and err < 5e-2 and captured == 0 and calls == 2 * iters
+    short = "" if done == iters else f" (stopped: the next {every} would exceed {budget:.0f}s)"
     print(
-        f"concurrent {'OK' if good else 'FAILED'} iterations={iters} bitwise_equal={ok} "
-        f"host_calls={calls} captured={captured} rel_err={err:.1e} in {dt:.1f}s",
+        f"concurrent {'OK' if good else 'FAILED'} iterations={done}/{iters}{short} "
+        f"bitwise_equal={ok} host_calls={calls} captured={captured} rel_err={err:.1e} "
+        f"in {dt:.1f}s",
         flush=True,
     )
 

@@ -20,9 +20,11 @@ pytestmark = pytest.mark.gpu
 WORKER = os.path.join(os.path.dirname(__file__), "xproc_worker.py")
 
 
-def _run(mode, *, timeout=240, env=(), setup=None, worker=WORKER):
+def _run(mode, *, timeout=240, env=(), setup=None, worker=WORKER, log_dir=None):
     """Runs ``worker`` (xproc_worker.py or another two-process worker: tests/gpu/order_worker.py)
-    in two processes with ``mode``; returns their outputs (stdout + stderr)."""
+    in two processes with ``mode``; returns their outputs (stdout + stderr). ``log_dir``: each
+    process writes to ``<log_dir>/<mode>.<process>.log`` as it runs (what a run cut from outside
+    leaves behind), read back at the end."""
     import jax
 
     gpus = len(jax.devices("gpu"))
@@ -38,24 +40,35 @@ def _run(mode, *, timeout=240, env=(), setup=None, worker=WORKER):
         "XPROC_STACKS_AFTER_S": str(max(timeout - 20, 10)),  # a hang shows where it is
         **dict(env),
     }
+    logs = [os.path.join(log_dir, f"{mode}.{p}.log") if log_dir else None for p in range(2)]
+    sinks = [open(log, "w") if log else subprocess.PIPE for log in logs]  # noqa: SIM115
     procs = [
         subprocess.Popen(
             [sys.executable, worker, str(p), "2", str(port), str(p % gpus), mode],
-            stdout=subprocess.PIPE,
+            stdout=sinks[p],
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
         for p in range(2)
     ]
+
+    def output(i, q, **kw):
+        out = q.communicate(**kw)[0]
+        if logs[i] is None:
+            return out
+        sinks[i].close()
+        with open(logs[i]) as f:
+            return f.read()
+
     outs = []
-    for p in procs:
+    for i, p in enumerate(procs):
         try:
-            outs.append(p.communicate(timeout=timeout)[0])
+            outs.append(output(i, p, timeout=timeout))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            tails = [f"--- process {i}:\n{q.communicate()[0][-4000:]}" for i, q in enumerate(procs)]
+            tails = [f"--- process {j}:\n{output(j, q)[-4000:]}" for j, q in enumerate(procs)]
             pytest.fail(f"xproc worker ({mode}) hung past {timeout} s\n" + "\n".join(tails))
     return outs
 

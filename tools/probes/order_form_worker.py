@@ -7,7 +7,7 @@ the cases) or, with WORKER ``order``, tests/gpu/order_worker.py's MODE (WORKER `
 tools/probes/order_dispatch.py's two-process measurement), with the order as
 ``JAXOVERLAP_ORDER_CALLS`` says (run it with 1) in the lowering form ``ORDER_FORM`` names
 (jaxoverlap/fused/call.py, `ORDER_FORM`): ``token`` (the token through the `_v2` call),
-``barrier`` (the `_v1` call between optimization barriers with the token), or the diagnostic
+``barrier`` (the `_v3` call between optimization barriers with the token), or the diagnostic
 ``bypass`` (tokens threaded by JAX through loops and shard_maps exactly as with ``barrier``,
 but the calls not tied to them: which part of the order an XLA failure needs)."""
 
