@@ -23,6 +23,12 @@ constexpr int kRing = 16;  // claimed tiles in flight per CTA (> mainloop stages
 // A consumer's sleeps while its tile is not in the claim ring yet: 64 ns, doubling up to this
 // (0: poll without sleeping).
 constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
+#ifndef JAXOVERLAP_TILE_CLAIM_AHEAD
+#define JAXOVERLAP_TILE_CLAIM_AHEAD 1
+#endif
+// Tiles the claimer publishes ahead of the one its producer loads: 1 (tile k when it starts
+// loading tile k), or 2 (tile k + 1 too: the atomic for it was issued a tile earlier).
+constexpr int kClaimAhead = JAXOVERLAP_TILE_CLAIM_AHEAD;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -170,13 +176,25 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
         if (k == 0) {
           *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
           next_ = (int32_t)atomicAdd(counter, 1u);
+          if (kClaimAhead > 1) {
+            next2_ = (int32_t)atomicAdd(counter, 1u);
+            publish(0, next_);
+          }
         }
         t = next_;
-        next_ = (int32_t)atomicAdd(counter, 1u);
-        publish(k, t);
-        // Ping-pong: the claimer stops at the first tile past the end, k; the other warpgroup
-        // asks for k + 1 next: none either.
-        if (kPingpong && t >= g_.total) publish(k + 1, t);
+        if (kClaimAhead > 1) {
+          // Tile k was published at claim(k - 1) (or above); tile k + 1 now, its atomic issued a
+          // tile ago: a ping-pong warpgroup finds its next tile in the ring when it asks.
+          next_ = next2_;
+          next2_ = (int32_t)atomicAdd(counter, 1u);
+          publish(k + 1, next_);
+        } else {
+          next_ = (int32_t)atomicAdd(counter, 1u);
+          publish(k, t);
+          // Ping-pong: the claimer stops at the first tile past the end, k; the other warpgroup
+          // asks for k + 1 next: none either.
+          if (kPingpong && t >= g_.total) publish(k + 1, t);
+        }
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
@@ -250,6 +268,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   uint32_t k_ = 0;
   uint32_t e_ = 0;     // this call's epoch target (read at the first tile)
   int32_t next_ = 0;   // the claimer's next tile (its atomic may still be in flight)
+  int32_t next2_ = 0;  // kClaimAhead 2: the one after (its atomic may still be in flight)
 };
 
 }  // namespace jaxoverlap::tile
