@@ -29,6 +29,13 @@ constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
 // Tiles the claimer publishes ahead of the one its producer loads: 1 (tile k when it starts
 // loading tile k), or 2 (tile k + 1 too: the atomic for it was issued a tile earlier).
 constexpr int kClaimAhead = JAXOVERLAP_TILE_CLAIM_AHEAD;
+#ifndef JAXOVERLAP_TILE_CLAIM_MODE
+#define JAXOVERLAP_TILE_CLAIM_MODE 0
+#endif
+// Experiments only (issue 23's bisection): 0 claims from the counter (production); 1 the claimer
+// publishes a static order through the ring (no atomics); 2 every thread computes the static
+// order (no atomics, no ring).
+constexpr int kClaimMode = JAXOVERLAP_TILE_CLAIM_MODE;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -170,8 +177,20 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const bool producer = threadIdx.x / 32 == 0;
     if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
     int32_t t = 0;
+    if constexpr (kClaimMode == 2) {  // experiment: a static order, computed by every thread
+      const Tile w = decode(static_tile(k));
+      if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);
+      return w;
+    }
     if (producer && cute::block_rank_in_cluster() == 0) {
-      if (lane == 0) {
+      if (kClaimMode == 1) {  // experiment: a static order handed out through the ring
+        if (lane == 0) {
+          t = static_tile(k);
+          publish(k, t);
+          if (kPingpong && t >= g_.total) publish(k + 1, t);
+        }
+        t = __shfl_sync(0xffffffffu, t, 0);
+      } else if (lane == 0) {
         uint32_t* counter = &g_.local->claim[e_ & 1u];
         if (k == 0) {
           *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
@@ -196,7 +215,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
           if (kPingpong && t >= g_.total) publish(k + 1, t);
         }
       }
-      t = __shfl_sync(0xffffffffu, t, 0);
+      if (kClaimMode == 0) t = __shfl_sync(0xffffffffu, t, 0);
     } else {
       // A consumer's miss sleeps before the next look (64 ns, doubling up to kRingSleepNs): a
       // ping-pong warpgroup asks for its next tile while the other warpgroup's mainloop runs,
@@ -217,6 +236,15 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const Tile w = decode(t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
     return w;
+  }
+
+  // Experiments (kClaimMode 1, 2): the CTA's k-th tile in a static order (cluster c takes
+  // tiles c, c + clusters, ...): no atomics. Not deadlock-free with CTAs that never start.
+  CUTLASS_DEVICE int32_t static_tile(uint32_t k) const {
+    const int32_t cx = gridDim.x / kClusterM;
+    const int32_t c = (int32_t)(blockIdx.y / kClusterN) * cx + (int32_t)(blockIdx.x / kClusterM);
+    const int32_t clusters = cx * (int32_t)(gridDim.y / kClusterN) * (int32_t)gridDim.z;
+    return min(c + (int32_t)k * clusters, g_.total);
   }
 
   // An own tile's epilogue reads every peer's partial of it from this rank's staging. Each
