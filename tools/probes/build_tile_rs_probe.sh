@@ -60,11 +60,16 @@ echo "built $OUT/$NAME"
 if [[ -n ${STOCK:-} ]]; then
   SOBJ=$OUT/obj-stock
   mkdir -p "$SOBJ"
-  snewest=$(ls -t tools/probes/stock/*.h tools/probes/stock/*.cuh "$newest" | head -1)
+  # stock_*.cu include only CUTLASS and tools/probes/stock's headers; the hybrids and the probe
+  # the kernels' too
+  snewest=$(ls -t tools/probes/stock/*.h tools/probes/stock/*.cuh | head -1)
+  hnewest=$(ls -t "$snewest" "$newest" | head -1)
   ssrcs=(tools/probes/stock/stock_*.cu tools/probes/stock/hyb*.cu tools/probes/tile_stock_probe.cu)
   for s in "${ssrcs[@]}"; do
     o="$SOBJ/$(basename "$s").o"
-    [[ -f $o && $o -nt $s && $o -nt $snewest ]] && continue
+    dep=$hnewest
+    [[ $s == */stock_*.cu ]] && dep=$snewest
+    [[ -f $o && $o -nt $s && $o -nt $dep ]] && continue
     while (($(jobs -rp | wc -l) >= JOBS)); do wait -n; done
     nvcc "${F[@]}" -Itools/probes -x cu -c "$s" -o "$o" &
   done
