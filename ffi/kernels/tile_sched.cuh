@@ -135,17 +135,26 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   }
 
  private:
-  // The k-th tile of this CTA. The leader CTA's mainloop producer warp (warp 0; it runs ahead of
-  // every other role: the others fetch tile k only after consuming tile k - 1, which that warp
-  // loaded) claims tiles from the counter one ahead -- the atomic for tile k + 1 is in flight
-  // while tile k loads -- and writes tile k into every CTA's ring of the cluster; everyone else waits for the
-  // ring entry. Entry k is overwritten by tile k + kRing only when every reader is past tile k:
-  // the producer is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them (ping-pong:
-  // a warpgroup reads entry k before its MMA of tile k, which the producer's loads of later
-  // tiles wait for once the pipeline is full). A CTA holds at most its current tile and the next
-  // (ping-pong: the next two); a later tile of a foreign tile may be an own tile, never the
-  // other way round, so no claimed foreign tile waits behind an own tile's wait (the ping-pong
-  // kernel runs its warpgroups' epilogues in tile order).
+  // The k-th tile of this CTA. Tiles are claimed from the counter by the leader CTA and written
+  // into every CTA's ring of the cluster; everyone else waits for the ring entry.
+  //   Cooperative: the mainloop producer warp (warp 0; it runs ahead of every other role: the
+  //   others fetch tile k only after consuming tile k - 1, which that warp loaded) claims one
+  //   ahead -- the atomic for tile k + 1 is issued as tile k is published.
+  //   Ping-pong: the producer claims tiles 0 and 1; tile k >= 2 is claimed by the consumer
+  //   warpgroup that will run it (its first warp), when it asks for it after its epilogue of
+  //   tile k - 2 -- while the other warpgroup's MMA runs, a mainloop before the producer needs it
+  //   -- and only once tile k - 1 is in the ring (claims stay in counter order). The producer
+  //   then never waits for an atomic: its 40 registers spill the claimer's state, and the
+  //   compiler's warp-aggregated atomicAdd consumes the result at once, so its claims stalled the
+  //   loads for an atomic's round trip per tile (issue 23: 1.16-1.18x cuBLASLt as a plain GEMM,
+  //   CUTLASS's own scheduler with our mainloop and epilogue 1.02x).
+  // Entry k is overwritten by tile k + kRing only when every reader is past tile k: the producer
+  // is at most one mainloop pipeline (< kRing - 1 tiles) ahead of them (ping-pong: a warpgroup
+  // reads entry k before its MMA of tile k, which the producer's loads of later tiles wait for
+  // once the pipeline is full). A CTA holds at most its current tile and the next (ping-pong:
+  // the next two); a later tile of a foreign tile may be an own tile, never the other way round,
+  // so no claimed foreign tile waits behind an own tile's wait (the ping-pong kernel runs its
+  // warpgroups' epilogues in tile order).
   // Writes tile t as the CTA's k-th into every CTA's ring of the cluster.
   CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
     const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
@@ -158,25 +167,41 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     }
   }
 
+  // Waits for the CTA's tile k in the ring and returns it; `sleep`: back off between looks.
+  CUTLASS_DEVICE int32_t wait_ring(uint32_t k, bool sleep) const {
+    const uint32_t slot = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
+    uint64_t v;
+    for (unsigned ns = 64;; ns = min(2 * ns, kRingSleepNs)) {
+      asm volatile("ld.volatile.shared.b64 %0, [%1];" : "=l"(v) : "r"(slot) : "memory");
+      if ((uint32_t)(v >> 32) == k + 1) return (int32_t)(uint32_t)v;
+      if (kRingSleepNs > 0 && sleep) __nanosleep(ns);
+    }
+  }
+
   CUTLASS_DEVICE Tile claim(uint32_t k) {
-    uint64_t* slot = claim_ring() + k % kRing;
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
+    const bool leader = cute::block_rank_in_cluster() == 0;
     if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
+    uint32_t* counter = &g_.local->claim[e_ & 1u];
     int32_t t = 0;
-    if (producer && cute::block_rank_in_cluster() == 0) {
+    if (kPingpong && leader && k >= 2 && threadIdx.x >= 128 && threadIdx.x % 128 < 32) {
+      if (lane == 0) {  // the consumer warpgroup's claim of its next tile
+        wait_ring(k - 1, true);
+        t = (int32_t)atomicAdd(counter, 1u);
+        publish(k, t);
+      }
+      t = __shfl_sync(0xffffffffu, t, 0);
+    } else if (producer && leader && (!kPingpong || k == 0)) {
       if (lane == 0) {
-        uint32_t* counter = &g_.local->claim[e_ & 1u];
         if (k == 0) {
           *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
           next_ = (int32_t)atomicAdd(counter, 1u);
         }
         t = next_;
-        next_ = (int32_t)atomicAdd(counter, 1u);
+        next_ = (int32_t)atomicAdd(counter, 1u);  // ping-pong: tile 1
         publish(k, t);
-        // Ping-pong: the claimer stops at the first tile past the end, k; the other warpgroup
-        // asks for k + 1 next: none either.
-        if (kPingpong && t >= g_.total) publish(k + 1, t);
+        if (kPingpong) publish(1, next_);
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
@@ -185,16 +210,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       // and polling all along would take shared-memory cycles from that MMA (wgmma reads its
       // operands there); the tile is in the ring a few k-blocks before that mainloop ends. (A
       // producer warp polls: it needs the tile at once to issue its loads.)
-      uint64_t v;
-      for (unsigned ns = 64;; ns = min(2 * ns, kRingSleepNs)) {
-        asm volatile("ld.volatile.shared.b64 %0, [%1];"
-                     : "=l"(v)
-                     : "r"((uint32_t)__cvta_generic_to_shared(slot))
-                     : "memory");
-        if ((uint32_t)(v >> 32) == k + 1) break;
-        if (kRingSleepNs > 0 && !producer) __nanosleep(ns);
-      }
-      t = (int32_t)(uint32_t)v;
+      t = wait_ring(k, !producer);
     }
     const Tile w = decode(t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps

@@ -8,6 +8,9 @@
 #   ENTRIES: the menu entries compiled in, e.g. ENTRIES="1 3 4" (default: all; entry k of the
 #   default menu, ffi/kernels/tile_rs.cu; the probe's menu is then those, in that order): a
 #   quicker build while iterating on one or two entries (each is two ~1-2 min instantiations)
+#   STOCK=1: also build/probes/tile_stock_probe (tools/probes/tile_stock_probe.cu: stock CUTLASS
+#   GEMMs, tools/probes/stock/stock_*.cu and hyb*.cu, one ~1-2 min instantiation each, against the
+#   menu as plain GEMMs and cuBLASLt; linked with the same objects)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -54,3 +57,27 @@ for s in "${srcs[@]}"; do objs+=("$OBJ/$(basename "$s").o"); done
 nvcc -gencode=arch=compute_90a,code=sm_90a "${objs[@]}" -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 \
   -o "$OUT/$NAME"
 echo "built $OUT/$NAME"
+if [[ -n ${STOCK:-} ]]; then
+  SOBJ=$OUT/obj-stock
+  mkdir -p "$SOBJ"
+  # stock_*.cu include only CUTLASS and tools/probes/stock's headers; the hybrids and the probe
+  # the kernels' too
+  snewest=$(ls -t tools/probes/stock/*.h tools/probes/stock/*.cuh | head -1)
+  hnewest=$(ls -t "$snewest" "$newest" | head -1)
+  ssrcs=(tools/probes/stock/stock_*.cu tools/probes/stock/hyb*.cu tools/probes/tile_stock_probe.cu)
+  for s in "${ssrcs[@]}"; do
+    o="$SOBJ/$(basename "$s").o"
+    dep=$hnewest
+    [[ $s == */stock_*.cu ]] && dep=$snewest
+    [[ -f $o && $o -nt $s && $o -nt $dep ]] && continue
+    while (($(jobs -rp | wc -l) >= JOBS)); do wait -n; done
+    nvcc "${F[@]}" -Itools/probes -x cu -c "$s" -o "$o" &
+  done
+  while (($(jobs -rp | wc -l) > 0)); do wait -n || exit 1; done
+  sobjs=()
+  for s in "${ssrcs[@]}"; do sobjs+=("$SOBJ/$(basename "$s").o"); done
+  for o in "${objs[@]}"; do [[ $o == */tile_rs_probe.cu.o ]] || sobjs+=("$o"); done
+  nvcc -gencode=arch=compute_90a,code=sm_90a "${sobjs[@]}" -L"$CUBLAS_ROOT/lib" \
+    -l:libcublasLt.so.13 -o "$OUT/tile_stock_probe"
+  echo "built $OUT/tile_stock_probe"
+fi

@@ -1,0 +1,77 @@
+// Hybrid kernels of tools/probes/tile_stock_probe.cu: our TileKernel (ffi/kernels/tile_rs.cuh:
+// the same collective mainloop and our TileEpilogue, plain mode 2) with CUTLASS's own persistent
+// tile scheduler in place of ClaimScheduler. One instantiation per file (hyb_<name>.cu).
+#pragma once
+
+#include <cutlass/device_kernel.h>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+
+#include "kernels/tile_rs.cuh"
+#include "stock_api.h"
+
+namespace stock {
+
+template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+struct HybridGemm {
+  using Ours = jaxoverlap::tile::TileKernel<cutlass::bfloat16_t, false, kTileN, kClusterM,
+                                            kClusterN, kPingpong>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>, typename Ours::Mainloop, typename Ours::Epilogue,
+      cutlass::gemm::PersistentScheduler>;
+
+  static cudaError_t run(const Problem& p, cudaStream_t stream) {
+    using namespace jaxoverlap;
+    TileRsArgs a{};
+    a.peers.n = 2;
+    a.peers.rank = 0;
+    a.peers.device = 0;
+    for (int r = 0; r < 2; ++r) a.peers.flags[r] = static_cast<Flags*>(p.tile_flags);
+    a.x = p.x, a.w = p.w, a.out = p.out, a.m = p.M / 2, a.N = p.N, a.K = p.K;
+    a.dtype = DType::kBF16;
+    a.sm_count = p.sm_count, a.swizzle = 1, a.mode = 2, a.stall_rank = -1;
+    const typename Ours::Kernel::Arguments o = Ours::arguments(a);
+    typename Kernel::Arguments args{};
+    args.mode = o.mode;
+    args.problem_shape = o.problem_shape;
+    args.mainloop = o.mainloop;
+    args.epilogue = o.epilogue;
+    args.hw_info = o.hw_info;
+    args.scheduler.max_swizzle_size = p.swizzle;
+    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order =
+        p.raster == 1 ? Raster::AlongN : p.raster == 2 ? Raster::AlongM : Raster::Heuristic;
+    // Launched as TileKernel::launch does (CUTLASS's device adapter wants a stock epilogue).
+    static bool loaded = false;
+    if (!loaded) {
+      if (cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               Kernel::SharedStorageSize))
+        return e;
+      loaded = true;
+    }
+    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, p.workspace);
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterM;
+    cluster.val.clusterDim.y = kClusterN;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = Kernel::get_grid_shape(params);
+    cfg.blockDim = Kernel::get_block_shape();
+    cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
+    cfg.stream = stream;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, cutlass::device_kernel<Kernel>, params);
+  }
+};
+
+}  // namespace stock
+
+#define HYBRID_GEMM(NAME, TN, CM, CN, PP)                                                  \
+  namespace stock {                                                                       \
+  cudaError_t run_##NAME(const Problem& p, cudaStream_t s) {                              \
+    return HybridGemm<TN, CM, CN, PP>::run(p, s);                                         \
+  }                                                                                       \
+  }

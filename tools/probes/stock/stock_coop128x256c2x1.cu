@@ -1,0 +1,3 @@
+// One stock CUTLASS GEMM of tools/probes/tile_stock_probe.cu (stock_gemm.cuh).
+#include "stock_gemm.cuh"
+STOCK_GEMM(coop128x256c2x1, false, 128, 256, 2, 1, false, false)

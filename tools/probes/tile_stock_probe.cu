@@ -1,0 +1,290 @@
+// Stock CUTLASS against our tile kernel as plain GEMMs, on ONE GPU (issue 23): is the gap to
+// cuBLASLt CUTLASS's mainloop, or our scheduler and epilogue?
+//
+//   tile_stock_probe FILE [--json OUT] [--rounds R]: per shape of FILE (tools/shapes.py lines,
+//   "<set> <tp> M K N"; w row-major), timed interleaved (BENCHMARKS.md: every variant in turn,
+//   R rounds (default 9) of ~5 ms each, median; spread = (max - min) / median):
+//     ref       the GEMM runner's searched cuBLASLt plan (ffi/runtime/gemm.h)
+//     ours:E    menu entry E of the tile kernel as a plain GEMM (mode 2: our ClaimScheduler and
+//               TileEpilogue, no communication) at raster band 1 and 8
+//     stock:S   stock CUTLASS 4.2 (stock/stock_gemm.cuh: the collective builders' TMA mainloop
+//               and TMA warp-specialised epilogue, CUTLASS's persistent or stream-K scheduler)
+//               at max_swizzle_size 1 and 8, raster heuristic
+//     hybrid:S  our TileKernel (mainloop + TileEpilogue, plain) with CUTLASS's persistent
+//               scheduler instead of ours (stock/hybrid_gemm.cuh), the same swizzles
+//   Each variant's output is first checked against cuBLASLt's (max |diff| / max |ref|).
+//   --prof: no timing; per shape one launch of cuBLASLt, ours at band 8 and stock at swizzle 1
+//   between cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
+//   Build: STOCK=1 tools/probes/build_tile_rs_probe.sh (CPU machine).
+#include <cuda_bf16.h>
+#include <cuda_profiler_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/fill.h"
+#include "kernels/tile_rs.h"
+#include "probe_check.h"
+#include "runtime/gemm.h"
+#include "stock/stock_api.h"
+
+using namespace jaxoverlap;
+
+namespace {
+
+struct Variant {
+  std::string name;
+  std::function<cudaError_t()> run;
+};
+
+struct StockEntry {
+  const char* name;
+  stock::Run run;
+};
+#define STOCK_ENTRY(NAME, ...) {#NAME, stock::run_##NAME},
+#define HYBRID_ENTRY(NAME, ...) {#NAME, stock::run_##NAME},
+const StockEntry kStock[] = {STOCK_LIST(STOCK_ENTRY) HYBRID_LIST(HYBRID_ENTRY)};
+#undef HYBRID_ENTRY
+#undef STOCK_ENTRY
+
+double geomean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += std::log(x);
+  return v.empty() ? NAN : std::exp(s / v.size());
+}
+
+// out[0] = max |a - b|, out[1] = max |b| over n bf16 values (as float bits: non-negative floats
+// order as unsigned ints); a non-finite a counts as +inf.
+__global__ void diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
+                            unsigned* out) {
+  float d = 0, mx = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    d = fmaxf(d, isfinite(x) ? fabsf(x - y) : INFINITY);
+    mx = fmaxf(mx, fabsf(y));
+  }
+  atomicMax(out, __float_as_uint(d));
+  atomicMax(out + 1, __float_as_uint(mx));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc < 2) {
+    std::printf("usage: tile_stock_probe FILE [--json OUT] [--rounds R]\n");
+    return 2;
+  }
+  const char* json = nullptr;
+  int rounds = 9;
+  bool prof = false;
+  for (int i = 2; i < argc; ++i) {
+    if (std::string(argv[i]) == "--prof") prof = true;
+    if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
+    else if (std::string(argv[i]) == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
+  }
+  CK(cudaSetDevice(0));
+  const int E = tile_rs_menu_size();
+  for (int e = 0; e < E; ++e) CK(preload_tile_entry(e, false));
+  GemmRunner lt;
+  if (std::string e = lt.init(); !e.empty()) {
+    std::printf("cuBLASLt: %s\n", e.c_str());
+    return 1;
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const size_t ws_bytes = 64 << 20;  // stream-K's partials
+  void* ws;
+  CK(cudaMalloc(&ws, ws_bytes));
+  FILE* jf = json ? std::fopen(json, "w") : nullptr;
+  if (jf) std::fprintf(jf, "{\"tool\": \"tools/probes/tile_stock_probe.cu\", \"rounds\": %d, \"rows\": [", rounds);
+  std::vector<std::string> names;
+  std::vector<std::vector<double>> ratios;  // per variant, per judged shape: ms / ref
+  FILE* f = std::fopen(argv[1], "r");
+  if (!f) {
+    std::printf("cannot read %s\n", argv[1]);
+    return 2;
+  }
+  char set[64];
+  int tp;
+  long long M, K, N;
+  bool first_row = true;
+  while (std::fscanf(f, "%63s %d %lld %lld %lld", set, &tp, &M, &K, &N) == 5) {
+    const int64_t m = M / tp;
+    if (!tile_rs_unsupported(DType::kBF16, tp, m, N, K, nullptr, nullptr, nullptr).empty() ||
+        M % tp) {
+      std::printf("skipped %s %lld %lld %lld\n", set, M, K, N);
+      continue;
+    }
+    __nv_bfloat16 *x, *w, *out;
+    CK(cudaMalloc(&x, M * K * 2));
+    CK(cudaMalloc(&w, K * N * 2));
+    CK(cudaMalloc(&out, M * N * 2));
+    CK(launch_fill_uniform(x, M * K, FillType::kBF16, 5, nullptr));
+    CK(launch_fill_uniform(w, K * N, FillType::kBF16, 7, nullptr));
+    Flags* flags;  // our kernel's claim counters and epoch (mode 2 uses no staging)
+    CK(cudaMalloc(&flags, sizeof(Flags)));
+    CK(cudaMemset(flags, 0, sizeof(Flags)));
+    char* stage;
+    const int64_t stage_bytes = (tp - 1) * tile_rs_slot_bytes(m, N);
+    CK(cudaMalloc(&stage, stage_bytes));
+    CK(cudaMemset(stage, 0, stage_bytes));
+    CK(cudaDeviceSynchronize());
+    const GemmShape gs{M, N, K, DType::kBF16, false, 0, false};
+    std::vector<Variant> vs;
+    vs.push_back({"ref", [&] {
+                    std::string e = lt.run(gs, x, w, nullptr, out, s);
+                    return e.empty() ? cudaSuccess : cudaErrorUnknown;
+                  }});
+    for (int e = 0; e < E; ++e)
+      for (int sw : {1, 8}) {
+        TileRsArgs a{};
+        a.peers.n = tp;
+        a.peers.rank = 0;
+        a.peers.device = 0;
+        for (int r = 0; r < tp; ++r) a.peers.stage[r] = stage, a.peers.flags[r] = flags;
+        a.x = x, a.w = w, a.out = out, a.m = m, a.N = N, a.K = K;
+        a.dtype = DType::kBF16;
+        a.slot_bytes = tile_rs_slot_bytes(m, N);
+        a.sm_count = sms, a.swizzle = sw, a.entry = e, a.mode = 2, a.stall_rank = -1;
+        a.op = kOpGemmRs;
+        a.timeout_ns = 2000000000ull;
+        vs.push_back({std::string("ours:") + tile_rs_entry_name(e) + "/sw" + std::to_string(sw),
+                      [&, a] {
+                        if (cudaError_t err = launch_tile_rs(a, s)) return err;
+                        return tile_rs_finish_emulated(flags, tp, s);
+                      }});
+      }
+    for (const StockEntry& se : kStock)
+      for (int sw : {1, 8}) {
+        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, flags};
+        vs.push_back({std::string(se.name[0] == 'h' ? "hybrid:" : "stock:") + se.name + "/sw" + std::to_string(sw),
+                      [&s, p, run = se.run] { return run(p, s); }});
+      }
+    // Correctness against cuBLASLt, and which variants can run this shape.
+    __nv_bfloat16* ref_out;
+    CK(cudaMalloc(&ref_out, M * N * 2));
+    unsigned *dd, hd[2];
+    CK(cudaMalloc(&dd, 8));
+    std::vector<bool> ok(vs.size(), true);
+    std::printf("%s tp %d %lld x %lld x %lld:", set, tp, M, K, N);
+    for (size_t v = 0; v < vs.size(); ++v) {
+      CK(cudaMemsetAsync(out, 0xff, M * N * 2, s));  // NaN: an unwritten element shows
+      cudaError_t err = vs[v].run();
+      if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+      if (err != cudaSuccess) {
+        std::printf(" [%s cannot run: %s]", vs[v].name.c_str(), cudaGetErrorString(err));
+        (void)cudaGetLastError();
+        ok[v] = false;
+        continue;
+      }
+      if (v == 0) {
+        CK(cudaMemcpy(ref_out, out, M * N * 2, cudaMemcpyDeviceToDevice));
+        continue;
+      }
+      CK(cudaMemsetAsync(dd, 0, 8, s));
+      diff_kernel<<<1024, 256, 0, s>>>(out, ref_out, M * N, dd);
+      CK(cudaMemcpyAsync(hd, dd, 8, cudaMemcpyDeviceToHost, s));
+      CK(cudaStreamSynchronize(s));
+      float fd, fm;
+      std::memcpy(&fd, &hd[0], 4), std::memcpy(&fm, &hd[1], 4);
+      const double d = fd / (fm > 0 ? fm : 1);
+      if (!(d < 1e-2)) {
+        std::printf(" [%s WRONG: %.2e]", vs[v].name.c_str(), d);
+        ok[v] = false;
+      }
+    }
+    std::printf("\n");
+    cudaFree(ref_out), cudaFree(dd);
+    if (prof) {
+      std::vector<size_t> pv;
+      for (size_t v = 0; v < vs.size(); ++v)
+        if (ok[v] && (v == 0 || vs[v].name.find(vs[v].name[0] == 'o' ? "/sw8" : "/sw1") !=
+                                    std::string::npos))
+          pv.push_back(v);
+      for (int i = 0; i < 2; ++i)
+        for (size_t v : pv) CK(vs[v].run());
+      CK(cudaStreamSynchronize(s));
+      CK(cudaProfilerStart());
+      std::printf("  profiled:");
+      for (size_t v : pv) {
+        CK(vs[v].run());
+        CK(cudaStreamSynchronize(s));
+        std::printf(" %s", vs[v].name.c_str());
+      }
+      CK(cudaProfilerStop());
+      std::printf("\n");
+      cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+      continue;
+    }
+    // ~5 ms per round of a variant
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(vs[0].run());
+    CK(cudaEventRecord(a, s));
+    CK(vs[0].run());
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float est = 1;
+    CK(cudaEventElapsedTime(&est, a, b));
+    const int reps = std::max(2, std::min(20, (int)(5.0f / std::max(est, 1e-3f))));
+    for (size_t v = 0; v < vs.size(); ++v)
+      for (int i = 0; ok[v] && i < std::max(2, reps / 4); ++i) CK(vs[v].run());
+    std::vector<std::vector<float>> ts(vs.size());
+    for (int rep = 0; rep < rounds; ++rep)
+      for (size_t v = 0; v < vs.size(); ++v) {
+        if (!ok[v]) continue;
+        CK(cudaEventRecord(a, s));
+        for (int i = 0; i < reps; ++i) CK(vs[v].run());
+        CK(cudaEventRecord(b, s));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        ts[v].push_back(ms / reps);
+      }
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    std::vector<double> med(vs.size(), NAN), spread(vs.size(), NAN);
+    for (size_t v = 0; v < vs.size(); ++v) {
+      if (!ok[v]) continue;
+      std::sort(ts[v].begin(), ts[v].end());
+      med[v] = ts[v][ts[v].size() / 2];
+      spread[v] = (ts[v].back() - ts[v].front()) / med[v];
+    }
+    const double flop = 2.0 * M * K * N;
+    std::printf("  ref %.4f ms (%.0f%%), %.0f TFLOP/s\n", med[0], 100 * spread[0],
+                flop / med[0] * 1e-9);
+    if (names.empty())
+      for (auto& v : vs) names.push_back(v.name), ratios.emplace_back();
+    for (size_t v = 1; v < vs.size(); ++v) {
+      std::printf("  %-28s %s %.3f (%.0f%%)\n", vs[v].name.c_str(), ok[v] ? "" : "n/a", med[v] / med[0],
+                  100 * spread[v]);
+      if (flop >= 1e11 && ok[v] && v < ratios.size()) ratios[v].push_back(med[v] / med[0]);
+    }
+    if (jf) {
+      std::fprintf(jf, "%s\n  {\"set\": \"%s\", \"tp\": %d, \"M\": %lld, \"K\": %lld, \"N\": %lld, \"ms\": {",
+                   first_row ? "" : ",", set, tp, M, K, N);
+      for (size_t v = 0; v < vs.size(); ++v)
+        if (ok[v]) std::fprintf(jf, "%s\"%s\": %.5f", v ? ", " : "", vs[v].name.c_str(), med[v]);
+      std::fprintf(jf, "}}");
+      std::fflush(jf);
+      first_row = false;
+    }
+    cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+  }
+  std::fclose(f);
+  if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
+  std::printf("\ngeomean over judged shapes (2MKN >= 1e11), ms / ref (n: shapes):\n");
+  for (size_t v = 1; v < names.size(); ++v)
+    std::printf("STOCK %-28s %.3f (%zu)\n", names[v].c_str(), geomean(ratios[v]), ratios[v].size());
+  return 0;
+}
