@@ -32,10 +32,20 @@
 
 namespace jaxoverlap::tile {
 
-constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
+// A slab leaves in chunks of 16 rows x kChunkCols columns: the warp writes the rounded chunk
+// into one of its kChunkBufs shared buffers (stmatrix) and 16 lanes issue one bulk async store
+// per row (cp.async.bulk, to local or peer memory alike); a buffer is written again only after
+// its store has read it (cp.async.bulk.wait_group.read), so the last chunks of a tile are still
+// leaving while the warp runs the next tile's MMA.
+constexpr int kChunkCols = 32;    // columns per bulk-stored chunk: 64 bytes of each row
+constexpr int kChunkPitch = 80;   // bytes per shared row of a chunk (+16: stmatrix without bank
+                                  // conflicts, rows 16-byte aligned for the bulk copy)
+constexpr int kChunkBytes = 16 * kChunkPitch;
+constexpr int kChunkBufs = 3;     // chunk buffers per warp (3 x 8 warps fit the 4th mainloop
+                                  // stage of the 128 x 256 entries, TileKernel's carve-out)
 constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
-constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
-static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
+constexpr int kSlabWords = kChunkBufs * kChunkBytes / 4;  // a warp's shared words
+static_assert(16 * kSumStride <= kSlabWords, "an f32 chunk fits the warp's buffers");
 
 // 16-bit float helpers of the epilogue.
 template <class T>
@@ -215,6 +225,7 @@ class TileEpilogue {
             failed_ = true;
         }
       }
+      drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       store_sum_slab(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
@@ -229,14 +240,29 @@ class TileEpilogue {
   // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
   // warpgroup's next tile is known to be foreign (its MMA then hides the stores' landing).
   // (legacy_publish adds only its full fence here.)
+  // Otherwise the next tile's epilogue publishes (and reuses the buffers after its waits); else
+  // its buffers are drained too (the CTA may exit).
   CUTLASS_DEVICE void end_tile() {
-    if (kPingpong && !next_is_foreign(last_k_ + 2)) flush();
+    if (kPingpong && !next_is_foreign(last_k_ + 2)) {
+      flush();
+      drain_reads();
+    }
   }
 
-  // Publishes the flags of the warp's last foreign slab. __syncwarp orders the other lanes'
-  // stores before lane 0's release, which is cumulative: no full fence (two-gpu-risks R4).
+  // The cooperative kernel's end: the last flags, and no bulk store reading shared memory.
+  CUTLASS_DEVICE void end_kernel() {
+    flush();
+    drain_reads();
+  }
+
+  // Publishes the flags of the warp's last foreign slabs: every lane waits for its bulk stores
+  // to be performed (wait_group 0, not the .read form), orders them before generic accesses
+  // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
+  // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
+    tma_wait_all();
+    fence_proxy_async();
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
@@ -341,33 +367,56 @@ class TileEpilogue {
     }
   }
 
-  // Rounds the slab to 16 bits and stores it at dst (row pitch N), 64 columns at a time through
-  // the warp's shared rows, so that each 8 lanes write 128 contiguous bytes of a row.
+  // Rounds the slab to 16 bits and stores it at dst (row pitch N) asynchronously, kChunkCols
+  // columns at a time: the warp writes the chunk into its next shared buffer (two stmatrix.x4:
+  // the accumulators' layout is stmatrix's), and lane r < 16 issues row r's bulk store (64
+  // contiguous bytes; fewer in a partial tile, N % 8 == 0 keeps them 16-byte multiples). Each
+  // chunk is one bulk group of every lane; the buffer is reused kChunkBufs chunks later, after
+  // wait_group.read. Nothing here waits for the stores to land (flush() does, before a flag).
   template <class Acc>
-  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) const {
-    const int q = lane / 4, t = lane % 4;
-    uint16_t* sm = reinterpret_cast<uint16_t*>(smf);
+  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
+    const int64_t N = p_->N;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kTileN / 64; ++c) {
+    for (int c = 0; c < kTileN / kChunkCols; ++c) {
+      const int64_t cols = N - col0 - kChunkCols * c;  // the chunk's valid columns (warp-uniform)
+      if (cols <= 0) break;
+      const uint32_t buf = sbase + (chunk_ % kChunkBufs) * kChunkBytes;
+      ++chunk_;
+      tma_wait_read<kChunkBufs - 1>();  // the store that used this buffer has read it
+      __syncwarp();
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 8; ++g) {
+      for (int gp = 0; gp < 2; ++gp) {  // matrices (rows 8 v1.., columns 8 g..), g = 2 gp + mi / 2
+        uint32_t r[4];
         CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int i = 4 * (8 * c + g) + 2 * v1;
-          *reinterpret_cast<uint32_t*>(sm + (q + 8 * v1) * kSlabStride + 8 * g + 2 * t) =
-              Half2<Element>::pack(acc(i), acc(i + 1));
+        for (int mi = 0; mi < 4; ++mi) {
+          const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
         }
+        const uint32_t addr = buf + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kChunkPitch +
+                              16 * (2 * gp + (lane >> 4));
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
       }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> bulk copy
       __syncwarp();
-      CUTLASS_PRAGMA_UNROLL
-      for (int it = 0; it < 4; ++it) {
-        const int rr = 4 * it + lane / 8, cv = lane % 8;
-        const int64_t col = 64 * c + 8 * cv;
-        const uint4 v = *reinterpret_cast<const uint4*>(sm + rr * kSlabStride + 8 * cv);
-        if (col0 + col < p_->N) *reinterpret_cast<uint4*>(dst + (rr * p_->N + col) * 2) = v;
+      if (lane < 16) {
+        const uint32_t bytes = (uint32_t)(cols < kChunkCols ? cols : kChunkCols) * 2;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                         dst + (lane * N + kChunkCols * c) * 2),
+                     "r"(buf + lane * kChunkPitch), "r"(bytes)
+                     : "memory");
       }
-      __syncwarp();
+      tma_commit();
     }
+  }
+
+  // Every lane's bulk stores have read their shared buffers (before the warp writes them with
+  // generic stores, and before the CTA exits).
+  CUTLASS_DEVICE void drain_reads() const {
+    tma_wait_read<0>();
+    __syncwarp();
   }
 
   // The kernel's parameters (grid constants, alive for the whole kernel): read in place, not
@@ -379,6 +428,7 @@ class TileEpilogue {
   uint32_t* pending_[kSlabsPerWarp] = {};  // flags of the last foreign slabs, published later
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
+  uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
@@ -398,7 +448,7 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
     if constexpr (Op::kPerWarpgroupTiles)
       this->end_tile();
     else
-      this->flush();
+      this->end_kernel();
     return cute::make_tuple(ls, ss);
   }
 };
