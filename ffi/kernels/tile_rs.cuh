@@ -37,15 +37,33 @@ namespace jaxoverlap::tile {
 // per row (cp.async.bulk, to local or peer memory alike); a buffer is written again only after
 // its store has read it (cp.async.bulk.wait_group.read), so the last chunks of a tile are still
 // leaving while the warp runs the next tile's MMA.
-constexpr int kChunkCols = 32;    // columns per bulk-stored chunk: 64 bytes of each row
-constexpr int kChunkPitch = 80;   // bytes per shared row of a chunk (+16: stmatrix without bank
-                                  // conflicts, rows 16-byte aligned for the bulk copy)
+// (JAXOVERLAP_TILE_CHUNK_COLS / _BUFS: probe variants only, e.g. 64 / 2, which costs the
+// 128 x 256 entries their 4th mainloop stage.)
+#ifndef JAXOVERLAP_TILE_CHUNK_COLS
+#define JAXOVERLAP_TILE_CHUNK_COLS 32
+#endif
+#ifndef JAXOVERLAP_TILE_CHUNK_BUFS
+#define JAXOVERLAP_TILE_CHUNK_BUFS 3
+#endif
+constexpr int kChunkCols = JAXOVERLAP_TILE_CHUNK_COLS;  // columns per bulk-stored chunk (32: 64
+                                                        // bytes of each row)
+static_assert(kChunkCols == 32 || kChunkCols == 64, "chunks of 32 or 64 columns");
+constexpr int kChunkPitch = 2 * kChunkCols + 16;  // bytes per shared row of a chunk (+16:
+                                  // stmatrix without bank conflicts, rows 16-byte aligned)
 constexpr int kChunkBytes = 16 * kChunkPitch;
-constexpr int kChunkBufs = 3;     // chunk buffers per warp (3 x 8 warps fit the 4th mainloop
-                                  // stage of the 128 x 256 entries, TileKernel's carve-out)
-constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
-constexpr int kSlabWords = kChunkBufs * kChunkBytes / 4;  // a warp's shared words
-static_assert(16 * kSumStride <= kSlabWords, "an f32 chunk fits the warp's buffers");
+constexpr int kChunkBufs = JAXOVERLAP_TILE_CHUNK_BUFS;  // chunk buffers per warp (3 x 32 columns x
+                                  // 8 warps fit the 4th mainloop stage of the 128 x 256 entries)
+// An own tile's peer slabs arrive in units of 16 rows x 32 columns of one source (1 KiB; 64-byte
+// rows, their 16-byte pieces XOR-swizzled by row: ldmatrix/stmatrix and the cp.async writes
+// without bank conflicts), kUnitBufs buffers per warp, kUnitBufs - 1 units in flight.
+constexpr int kUnitBytes = 1024;
+constexpr int kUnitBufs = 4;
+constexpr int kSlabBytes =
+    kChunkBufs * kChunkBytes > kUnitBufs * kUnitBytes ? kChunkBufs * kChunkBytes : kUnitBufs * kUnitBytes;
+constexpr int kSlabWords = kSlabBytes / 4;  // a warp's shared words (the two uses alias)
+__device__ __forceinline__ uint32_t unit_off(int row, int piece) {  // byte offset in a unit
+  return row * 64 + ((piece ^ ((row >> 1) & 3)) << 4);
+}
 
 // 16-bit float helpers of the epilogue.
 template <class T>
@@ -87,7 +105,7 @@ template <class Acc>
 struct SlabAcc {
   Acc& acc;
   int off;
-  CUTLASS_DEVICE float operator()(int i) const { return acc(i + off); }
+  CUTLASS_DEVICE float& operator()(int i) const { return acc(i + off); }
 };
 
 // The epilogue, in the operator() form that CUTLASS's Sm90TmaWarpSpecializedAdapter calls for
@@ -216,14 +234,27 @@ class TileEpilogue {
         continue;
       }
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
-      for (int t = 1; t < n; ++t) {
-        const int src = (r + t) % n;
-        char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-        for (int f = 0; f < nflags && a.mode == 0 && !failed_; ++f) {
-          const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
-          if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
-            failed_ = true;
+      // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
+      // with the bounded wait.
+      if (a.mode == 0 && !failed_) {
+        int ok = 1;
+        if (lane < (n - 1) * nflags) {
+          const int src = (r + 1 + lane / nflags) % n;
+          const char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+          ok = ld_acquire_sys(tile_slab_flags(const_cast<char*>(src_slot), a.m, a.N) + flag0 +
+                              lane % nflags) == e_;
         }
+        if (!__all_sync(0xffffffffu, ok))
+          for (int t = 1; t < n; ++t) {
+            const int src = (r + t) % n;
+            char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+            for (int f = 0; f < nflags && !failed_; ++f) {
+              const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+              if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+                failed_ = true;
+            }
+          }
+        __syncwarp();  // every lane's loads after every lane's acquire
       }
       drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
@@ -307,64 +338,100 @@ class TileEpilogue {
   }
 
   // Stores acc + the `count` 16-bit slabs at src + i * stride (added in that order in f32,
-  // rounded once) at dst (row pitch N). 32 columns at a time: the f32 accumulators go through the warp's shared
-  // rows, and each pair of lanes then reads one row's 32 columns -- 16-byte loads of every
-  // source, 64 contiguous bytes per row -- adds and stores them. The first source's loads of
-  // the next chunk are issued before this chunk is summed, so their latency overlaps.
+  // rounded once) at dst (row pitch N), 32 columns (a chunk) at a time. The sources' units
+  // (chunk c of source s, in that order) are loaded asynchronously into the warp's unit buffers
+  // (cp.async, 16 bytes per lane: no registers held while they fly), kUnitBufs - 1 ahead of the
+  // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
+  // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
+  // so that each pair of lanes stores one row's 64 contiguous bytes.
   template <class Acc>
   CUTLASS_DEVICE void store_sum_slab(Acc& acc, const char* src0, int64_t stride, int count,
-                                     char* dst, float* sm, int lane, int64_t col0) const {
-    const int q = lane / 4, t = lane % 4;
-    const int row = lane / 2, half = lane % 2;  // the coalesced phase: 16 columns per lane
+                                     char* dst, float* smf, int lane, int64_t col0) const {
     const int64_t N = p_->N;
-    const int64_t lane_col = 16 * half;  // this lane's first column of each 32
-    const char* in = src0 + (row * N + lane_col) * 2;
-    char* out = dst + (row * N + lane_col) * 2;
-    const int64_t valid = N - col0 - lane_col;  // columns left for this lane from its first
-    auto load = [&](int src, int c, int i) -> uint4 {  // 8 columns of row `row`
-      if (32 * c + 8 * i >= valid) return make_uint4(0, 0, 0, 0);
-      return __ldcg(reinterpret_cast<const uint4*>(in + src * stride + (32 * c + 8 * i) * 2));
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
+    const int64_t left = N - col0;  // the tile's columns inside the problem
+    const int chunks = (int)min((int64_t)(kTileN / 32), (left + 31) / 32);
+    const int lrow = lane >> 1, lhalf = lane & 1;  // the lane's row and 32 bytes of a unit
+    const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;  // ldmatrix rows
+    const int lleft = (int)min(left, (int64_t)kTileN) - 16 * lhalf;  // the lane's columns left
+    // The next unit to load: chunk ic of source is, at g; into buffer iu % kUnitBufs.
+    const char* g = src0 + (lrow * N + 16 * lhalf) * 2;
+    int ic = 0, is = 0, iu = 0;
+    auto issue = [&]() {
+      if (ic < chunks) {
+        const uint32_t buf = sbase + (iu % kUnitBufs) * kUnitBytes + unit_off(lrow, 2 * lhalf);
+        const uint32_t buf1 = sbase + (iu % kUnitBufs) * kUnitBytes + unit_off(lrow, 2 * lhalf + 1);
+        if (32 * ic < lleft)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf), "l"(g) : "memory");
+        if (32 * ic + 8 < lleft)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf1), "l"(g + 16)
+                       : "memory");
+        ++iu;
+        g += stride;
+        if (++is == count) is = 0, ++ic, g += 64 - count * stride;
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");  // one group per unit, every lane
     };
-    uint4 next[2] = {};
-    if (count > 0) next[0] = load(0, 0, 0), next[1] = load(0, 0, 1);
+    if (count > 0)
+      for (int u = 0; u < kUnitBufs - 1; ++u) issue();
+    int u = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kTileN / 32; ++c) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g)
+      if (c >= chunks) break;
+#pragma unroll 1
+      for (int s = 0; s < count; ++s, ++u) {
+        issue();  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
+        asm volatile("cp.async.wait_group %0;" ::"n"(kUnitBufs - 1) : "memory");
+        __syncwarp();  // unit u: every lane's pieces
+        const uint32_t buf = sbase + (u % kUnitBufs) * kUnitBytes;
         CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int i = 4 * (4 * c + g) + 2 * v1;
-          *reinterpret_cast<float2*>(sm + (q + 8 * v1) * kSumStride + 8 * g + 2 * t) =
-              make_float2(acc(i), acc(i + 1));
+        for (int gp = 0; gp < 2; ++gp) {
+          uint32_t r[4];
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                       : "r"(buf + unit_off(mrow, 2 * gp + mpiece))
+                       : "memory");
+          CUTLASS_PRAGMA_UNROLL
+          for (int mi = 0; mi < 4; ++mi) {
+            const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+            const float2 p = Half2<Element>::unpack(r[mi]);
+            acc(i) += p.x;
+            acc(i + 1) += p.y;
+          }
         }
+        __syncwarp();  // every lane has read the unit before its buffer is refilled
+      }
+      // The rounded chunk, through the buffer unit u - 1 left (refilled only at the next unit).
+      const uint32_t obuf = sbase + ((u + kUnitBufs - 1) % kUnitBufs) * kUnitBytes;
+      CUTLASS_PRAGMA_UNROLL
+      for (int gp = 0; gp < 2; ++gp) {
+        uint32_t r[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < 4; ++mi) {
+          const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                         obuf + unit_off(mrow, 2 * gp + mpiece)),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+      }
       __syncwarp();
-      const uint4 first[2] = {next[0], next[1]};
-      if (count > 0 && c + 1 < kTileN / 32) next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 2; ++i) {
-        const float* f = sm + row * kSumStride + 16 * half + 8 * i;
-        float v[8];
-        *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(f);
-        *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(f + 4);
-        auto add = [&](uint4 u) {
-          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-          CUTLASS_PRAGMA_UNROLL
-          for (int k = 0; k < 4; ++k) {
-            const float2 p = Half2<Element>::unpack(w[k]);
-            v[2 * k] += p.x;
-            v[2 * k + 1] += p.y;
-          }
-        };
-        if (count > 0) add(first[i]);
-#pragma unroll 1
-        for (int src = 1; src < count; ++src) add(load(src, c, i));  // n > 2
-        if (32 * c + 8 * i < valid)
-          *reinterpret_cast<uint4*>(out + (32 * c + 8 * i) * 2) = make_uint4(
-              Half2<Element>::pack(v[0], v[1]), Half2<Element>::pack(v[2], v[3]),
-              Half2<Element>::pack(v[4], v[5]), Half2<Element>::pack(v[6], v[7]));
+        const int64_t col = 32 * c + 16 * lhalf + 8 * i;
+        if (col < left) {
+          uint4 v;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(obuf + unit_off(lrow, 2 * lhalf + i))
+                       : "memory");
+          *reinterpret_cast<uint4*>(dst + (lrow * N + col) * 2) = v;
+        }
       }
       __syncwarp();
     }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");  // the look-ahead's empty groups
   }
 
   // Rounds the slab to 16 bits and stores it at dst (row pitch N) asynchronously, kChunkCols
@@ -386,11 +453,11 @@ class TileEpilogue {
       tma_wait_read<kChunkBufs - 1>();  // the store that used this buffer has read it
       __syncwarp();
       CUTLASS_PRAGMA_UNROLL
-      for (int gp = 0; gp < 2; ++gp) {  // matrices (rows 8 v1.., columns 8 g..), g = 2 gp + mi / 2
-        uint32_t r[4];
+      for (int gp = 0; gp < kChunkCols / 16; ++gp) {  // matrices (rows 8 v1.., columns 8 g..):
+        uint32_t r[4];                                    // g = 2 gp + mi / 2 of the chunk
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < 4; ++mi) {
-          const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          const int i = 4 * (kChunkCols / 8 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
           r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
         }
         const uint32_t addr = buf + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kChunkPitch +
