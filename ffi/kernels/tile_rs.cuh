@@ -66,6 +66,43 @@ __device__ __forceinline__ uint32_t unit_off(int row, int piece) {  // byte offs
   return row * 64 + ((piece ^ ((row >> 1) & 3)) << 4);
 }
 
+// The loads of an own slab's peer units -- chunk c (32 columns) of source s, c-major, s in rank
+// order -- into a warp's unit buffers (unit u in buffer u % kUnitBufs): each next() loads one
+// (the lane's 32 bytes of its row, 16 at a time) and commits it as one cp.async group of every
+// lane (empty past the last unit), or with load = false only counts one already loaded.
+struct UnitLoader {
+  const char* g;  // the lane's next 16 bytes
+  int64_t stride;
+  uint32_t sbase;
+  int count, chunks, lleft, row, piece, ic = 0, is = 0, iu = 0;
+  CUTLASS_DEVICE UnitLoader(const char* src0, int64_t stride_, int count_, int64_t N,
+                            int64_t col0, int tile_n, uint32_t sbase_, int lane)
+      : stride(stride_), sbase(sbase_), count(count_), row(lane >> 1), piece(2 * (lane & 1)) {
+    const int64_t left = N - col0;  // the tile's columns inside the problem
+    chunks = count > 0 ? (int)min((int64_t)(tile_n / 32), (left + 31) / 32) : 0;
+    lleft = (int)min(left, (int64_t)tile_n) - 8 * piece;  // the lane's columns left
+    g = src0 + (row * N + 8 * piece) * 2;
+  }
+  CUTLASS_DEVICE void next(bool load) {
+    if (ic < chunks) {
+      const uint32_t buf = sbase + (iu % kUnitBufs) * kUnitBytes;
+      if (load && 32 * ic < lleft)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf + unit_off(row, piece)),
+                     "l"(g)
+                     : "memory");
+      if (load && 32 * ic + 8 < lleft)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                         buf + unit_off(row, piece + 1)),
+                     "l"(g + 16)
+                     : "memory");
+      ++iu;
+      g += stride;
+      if (++is == count) is = 0, ++ic, g += 64 - count * stride;
+    }
+    if (load) asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+};
+
 // 16-bit float helpers of the epilogue.
 template <class T>
 struct Half2;
@@ -98,6 +135,7 @@ struct EpilogueArgs {
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
+  Geometry g;  // the scheduler's (tile_sched.cuh): the epilogue's look at the CTA's next tile
 };
 
 // A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
@@ -116,7 +154,7 @@ struct SlabAcc {
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
 // Ping-pong kernel (kPingpong): one warpgroup holds the whole 128-row tile, thread t (of 128)
 // the same for rows 64 h + ..., at i + h kTileN / 2: warp w owns slabs w and w + 4.
-template <class Element, int kTileN, bool kPingpong>
+template <class Element, int kTileN, bool kPingpong, int kClusterM = 1, int kClusterN = 1>
 class TileEpilogue {
   static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
@@ -205,6 +243,10 @@ class TileEpilogue {
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    // pre_issue loaded the first units of this tile's own slab (cooperative kernel only).
+    const bool pre = pre_k_ == k + 1 && j == r;
+    if (pre_k_ != 0 && !pre) asm volatile("cp.async.wait_group 0;" ::: "memory");  // (never)
+    pre_k_ = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < kSlabsPerWarp; ++h) {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
@@ -237,15 +279,8 @@ class TileEpilogue {
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
       // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
       // with the bounded wait.
-      if (a.mode == 0 && !failed_) {
-        int ok = 1;
-        if (lane < (n - 1) * nflags) {
-          const int src = (r + 1 + lane / nflags) % n;
-          const char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-          ok = ld_acquire_sys(tile_slab_flags(const_cast<char*>(src_slot), a.m, a.N) + flag0 +
-                              lane % nflags) == e_;
-        }
-        if (!__all_sync(0xffffffffu, ok))
+      if (a.mode == 0 && !failed_ && !pre) {
+        if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
           for (int t = 1; t < n; ++t) {
             const int src = (r + t) % n;
             char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
@@ -261,12 +296,13 @@ class TileEpilogue {
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       store_sum_slab(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                     col0);
+                     col0, pre);
     }
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
+    if (!kPingpong) pre_issue(k + 1, w, lane, sm);
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
@@ -317,6 +353,49 @@ class TileEpilogue {
     return (int32_t)(uint32_t)v >= p_->own_first ? 1 : 0;
   }
   CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const { return own_or_none(k) == 1; }
+
+  // Whether this lane's flag of an own slab (first row brow of the block, columns col0..) is
+  // this call's: lane l < (n - 1) nflags checks source r + 1 + l / nflags's flag l % nflags, with
+  // an acquire (lanes past those: true).
+  CUTLASS_DEVICE bool own_flags_set(int64_t brow, int64_t col0, int nflags, int lane) const {
+    const EpilogueArgs& a = *p_;
+    const int n = a.peers.n, r = a.peers.rank;
+    if (lane >= (n - 1) * nflags) return true;
+    const int src = (r + 1 + lane / nflags) % n;
+    char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+    const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
+    return ld_acquire_sys(tile_slab_flags(src_slot, a.m, a.N) + flag0 + lane % nflags) == e_;
+  }
+
+  // Cooperative kernel, at the end of tile k - 1's epilogue: when the CTA's tile k is already
+  // claimed, is an own tile, and its slab's peer flags are all set (checked once, not waited
+  // for), the first units of the slab's peer data are loaded into the warp's (drained) unit
+  // buffers now, and land during tile k's MMA; that tile's epilogue then skips the flag check
+  // and those loads (pre_k_). Modes 0 and 1 (the ones that add).
+  CUTLASS_DEVICE void pre_issue(uint32_t k, int w, int lane, float* smf) {
+    const EpilogueArgs& a = *p_;
+    if (a.mode > 1 || failed_ || a.peers.n < 2) return;
+    uint64_t v;
+    asm volatile("ld.volatile.shared.b64 %0, [%1];"
+                 : "=l"(v)
+                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing))
+                 : "memory");
+    const int32_t t = (int32_t)(uint32_t)v;
+    if ((uint32_t)(v >> 32) != k + 1 || t < a.own_first || t >= a.g.total) return;
+    const int2 mn = decode_tile<kClusterM, kClusterN>(a.g, t, cute::block_id_in_cluster());
+    const int64_t row = (int64_t)mn.x * kTileM, col0 = (int64_t)mn.y * kTileN;
+    if (col0 >= a.N) return;
+    const int64_t brow = row - a.peers.rank * a.m + 16 * w;
+    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    if (a.mode == 0 && !__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane))) return;
+    __syncwarp();  // every lane's loads after every lane's acquire
+    drain_reads();
+    const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
+    UnitLoader ld(a.peers.stage[a.peers.rank] + parity + (brow * a.N + col0) * 2, a.slot_bytes,
+                  a.peers.n - 1, a.N, col0, kTileN, (uint32_t)__cvta_generic_to_shared(smf), lane);
+    for (int u = 0; u < kUnitBufs - 1; ++u) ld.next(true);
+    pre_k_ = k + 1;
+  }
   CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
@@ -347,41 +426,24 @@ class TileEpilogue {
   // so that each pair of lanes stores one row's 64 contiguous bytes.
   template <class Acc>
   CUTLASS_DEVICE void store_sum_slab(Acc& acc, const char* src0, int64_t stride, int count,
-                                     char* dst, float* smf, int lane, int64_t col0) const {
+                                     char* dst, float* smf, int lane, int64_t col0,
+                                     bool pre) const {
     const int64_t N = p_->N;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     const int64_t left = N - col0;  // the tile's columns inside the problem
     const int chunks = (int)min((int64_t)(kTileN / 32), (left + 31) / 32);
     const int lrow = lane >> 1, lhalf = lane & 1;  // the lane's row and 32 bytes of a unit
     const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;  // ldmatrix rows
-    const int lleft = (int)min(left, (int64_t)kTileN) - 16 * lhalf;  // the lane's columns left
-    // The next unit to load: chunk ic of source is, at g; into buffer iu % kUnitBufs.
-    const char* g = src0 + (lrow * N + 16 * lhalf) * 2;
-    int ic = 0, is = 0, iu = 0;
-    auto issue = [&]() {
-      if (ic < chunks) {
-        const uint32_t buf = sbase + (iu % kUnitBufs) * kUnitBytes + unit_off(lrow, 2 * lhalf);
-        const uint32_t buf1 = sbase + (iu % kUnitBufs) * kUnitBytes + unit_off(lrow, 2 * lhalf + 1);
-        if (32 * ic < lleft)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf), "l"(g) : "memory");
-        if (32 * ic + 8 < lleft)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf1), "l"(g + 16)
-                       : "memory");
-        ++iu;
-        g += stride;
-        if (++is == count) is = 0, ++ic, g += 64 - count * stride;
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");  // one group per unit, every lane
-    };
+    UnitLoader ld(src0, stride, count, N, col0, kTileN, sbase, lane);
     if (count > 0)
-      for (int u = 0; u < kUnitBufs - 1; ++u) issue();
+      for (int u = 0; u < kUnitBufs - 1; ++u) ld.next(!pre);  // pre: pre_issue did
     int u = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kTileN / 32; ++c) {
       if (c >= chunks) break;
 #pragma unroll 1
       for (int s = 0; s < count; ++s, ++u) {
-        issue();  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
+        ld.next(true);  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
         asm volatile("cp.async.wait_group %0;" ::"n"(kUnitBufs - 1) : "memory");
         __syncwarp();  // unit u: every lane's pieces
         const uint32_t buf = sbase + (u % kUnitBufs) * kUnitBytes;
@@ -497,6 +559,8 @@ class TileEpilogue {
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
+  uint32_t pre_k_ = 0;         // 1 + the CTA's tile whose own slab's first units pre_issue
+                               // loaded, its flags all set (0: none)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
@@ -531,7 +595,7 @@ struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Op = TileEpilogue<Element, kTileN, kPingpong>;
+  using Op = TileEpilogue<Element, kTileN, kPingpong, kClusterM, kClusterN>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -601,6 +665,7 @@ struct TileKernel {
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
+    e.g = g;
     return args;
   }
 
