@@ -160,6 +160,17 @@ class TileEpilogue {
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
   static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
   static constexpr int kThreads = kPingpong ? 128 : 256;  // the epilogue's threads per tile
+  // Foreign and plain slabs leave by bulk async stores in the ping-pong kernel, by stores of the
+  // warp's lanes in the cooperative one (JAXOVERLAP_TILE_BULK_STORE=1: bulk there too, for
+  // timing): its epilogue issues a whole tile's bulk stores at once, 1,024 small copies per CTA
+  // that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256 plain
+  // GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
+  // warpgroup's MMA, whose shared memory the lanes' stores would contend for.
+#ifdef JAXOVERLAP_TILE_BULK_STORE
+  static constexpr bool kBulkStore = true;
+#else
+  static constexpr bool kBulkStore = kPingpong;
+#endif
 
  public:
   using ElementOutput = Element;
@@ -302,7 +313,9 @@ class TileEpilogue {
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
+#ifndef JAXOVERLAP_TILE_NO_PRE_ISSUE  // (a probe variant without it, for timing)
     if (!kPingpong) pre_issue(k + 1, w, lane, sm);
+#endif
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
@@ -329,8 +342,10 @@ class TileEpilogue {
   // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
-    tma_wait_all();
-    fence_proxy_async();
+    if (kBulkStore) {
+      tma_wait_all();
+      fence_proxy_async();
+    }
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
@@ -505,6 +520,56 @@ class TileEpilogue {
   // wait_group.read. Nothing here waits for the stores to land (flush() does, before a flag).
   template <class Acc>
   CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
+    if constexpr (kBulkStore)
+      store_slab_bulk(acc, dst, smf, lane, col0);
+    else
+      store_slab_lanes(acc, dst, smf, lane, col0);
+  }
+
+  // The same with the lanes' stores, 64 columns at a time through the warp's shared rows
+  // (stmatrix; 144-byte rows), so that each 8 lanes store 128 contiguous bytes of a row.
+  template <class Acc>
+  CUTLASS_DEVICE void store_slab_lanes(Acc& acc, char* dst, float* smf, int lane,
+                                       int64_t col0) const {
+    constexpr int kPitch = 144;
+    static_assert(16 * kPitch <= kSlabBytes, "a 64-column chunk fits the warp's buffers");
+    const int64_t N = p_->N;
+    const uint32_t buf = (uint32_t)__cvta_generic_to_shared(smf);
+    const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kTileN / 64; ++c) {
+      if (col0 + 64 * c >= N) break;
+      CUTLASS_PRAGMA_UNROLL
+      for (int gp = 0; gp < 4; ++gp) {
+        uint32_t r[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < 4; ++mi) {
+          const int i = 4 * (8 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                         buf + mrow * kPitch + 16 * (2 * gp + mpiece)),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+      }
+      __syncwarp();
+      CUTLASS_PRAGMA_UNROLL
+      for (int it = 0; it < 4; ++it) {
+        const int rr = 4 * it + lane / 8, cv = lane % 8;
+        const int64_t col = 64 * c + 8 * cv;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(buf + rr * kPitch + 16 * cv)
+                     : "memory");
+        if (col0 + col < N) *reinterpret_cast<uint4*>(dst + (rr * N + col) * 2) = v;
+      }
+      __syncwarp();
+    }
+  }
+
+  template <class Acc>
+  CUTLASS_DEVICE void store_slab_bulk(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
     const int64_t N = p_->N;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     CUTLASS_PRAGMA_UNROLL
@@ -545,6 +610,7 @@ class TileEpilogue {
   // Every lane's bulk stores have read their shared buffers (before the warp writes them with
   // generic stores, and before the CTA exits).
   CUTLASS_DEVICE void drain_reads() const {
+    if (!kBulkStore) return;
     tma_wait_read<0>();
     __syncwarp();
   }
