@@ -5,13 +5,15 @@
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
-//                   (peer memory) by bulk async stores from shared memory, which the warp does
-//                   not wait for (it goes on to its next tile's MMA); the slab's flags (one per
-//                   128 columns: the same layout for every entry) published at the warp's next
-//                   tile after the stores have landed (at once if that tile is own or none);
+//                   (peer memory) through shared memory, by bulk async stores (ping-pong) or
+//                   the lanes' coalesced stores (cooperative), neither waited for; the slab's
+//                   flags (one per 128 columns: the same layout for every entry) published at
+//                   the warp's next tile after the stores have landed (at once if that tile is
+//                   own or none);
 //                   own tiles check each peer's flags of the slab, load the peers' slabs
 //                   asynchronously into shared memory (cp.async, a few units ahead), add them in
-//                   rank order to the f32 accumulators, round once, store.
+//                   rank order to the f32 accumulators, round once, store (cooperative: the
+//                   first units of the CTA's next own tile during its MMA, pre_issue).
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
