@@ -248,9 +248,7 @@ class TileEpilogue {
   // Publishes the flags of the warp's last foreign slabs: every lane waits for its bulk stores
   // to be performed (wait_group 0, not the .read form), orders them before generic accesses
   // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
-  // is cumulative: no full fence (two-gpu-risks R4). One release fence for the warp's flags (a
-  // 256-column slab has two, a ping-pong warp two slabs), then their relaxed sys-scope stores:
-  // the release pattern of the PTX memory model, which the owner's ld.acquire.sys pairs with.
+  // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
     if (kBulkStore) {
@@ -260,11 +258,8 @@ class TileEpilogue {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
       for (int h = 0; h < kSlabsPerWarp; ++h)
-        for (int f = 0; pending_[h] && f < pending_n_; ++f)
-          asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(pending_[h] + f), "r"(e_)
-                       : "memory");
+        for (int f = 0; pending_[h] && f < pending_n_; ++f) st_release_sys(pending_[h] + f, e_);
     }
     for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
   }
