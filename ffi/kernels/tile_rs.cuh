@@ -12,8 +12,7 @@
 //                   own or none);
 //                   own tiles check each peer's flags of the slab, load the peers' slabs
 //                   asynchronously into shared memory (cp.async, a few units ahead), add them in
-//                   rank order to the f32 accumulators, round once, store (cooperative: the
-//                   first units of the CTA's next own tile during its MMA, pre_issue).
+//                   rank order to the f32 accumulators, round once, store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
@@ -43,7 +42,6 @@ struct EpilogueArgs {
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
-  Geometry g;  // the scheduler's (tile_sched.cuh): the epilogue's look at the CTA's next tile
 };
 
 // A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
@@ -62,7 +60,7 @@ struct SlabAcc {
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
 // Ping-pong kernel (kPingpong): one warpgroup holds the whole 128-row tile, thread t (of 128)
 // the same for rows 64 h + ..., at i + h kTileN / 2: warp w owns slabs w and w + 4.
-template <class Element, int kTileN, bool kPingpong, int kClusterM = 1, int kClusterN = 1>
+template <class Element, int kTileN, bool kPingpong>
 class TileEpilogue {
   static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
@@ -163,10 +161,6 @@ class TileEpilogue {
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
-    // pre_issue loaded the first units of this tile's own slab (cooperative kernel only).
-    const bool pre = pre_k_ == k + 1 && j == r;
-    if (pre_k_ != 0 && !pre) asm volatile("cp.async.wait_group 0;" ::: "memory");  // (never)
-    pre_k_ = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < kSlabsPerWarp; ++h) {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
@@ -199,7 +193,7 @@ class TileEpilogue {
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
       // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
       // with the bounded wait.
-      if (a.mode == 0 && !failed_ && !pre) {
+      if (a.mode == 0 && !failed_) {
         if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
           for (int t = 1; t < n; ++t) {
             const int src = (r + t) % n;
@@ -216,15 +210,12 @@ class TileEpilogue {
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                      col0, a.N, pre);
+                      col0, a.N);
     }
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
-#ifndef JAXOVERLAP_TILE_NO_PRE_ISSUE  // (a probe variant without it, for timing)
-    if (!kPingpong) pre_issue(k + 1, w, lane, sm);
-#endif
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
@@ -290,36 +281,6 @@ class TileEpilogue {
     const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
     return ld_acquire_sys(tile_slab_flags(src_slot, a.m, a.N) + flag0 + lane % nflags) == e_;
   }
-
-  // Cooperative kernel, at the end of tile k - 1's epilogue: when the CTA's tile k is already
-  // claimed, is an own tile, and its slab's peer flags are all set (checked once, not waited
-  // for), the first units of the slab's peer data are loaded into the warp's (drained) unit
-  // buffers now, and land during tile k's MMA; that tile's epilogue then skips the flag check
-  // and those loads (pre_k_). Modes 0 and 1 (the ones that add).
-  CUTLASS_DEVICE void pre_issue(uint32_t k, int w, int lane, float* smf) {
-    const EpilogueArgs& a = *p_;
-    if (a.mode > 1 || failed_ || a.peers.n < 2) return;
-    uint64_t v;
-    asm volatile("ld.volatile.shared.b64 %0, [%1];"
-                 : "=l"(v)
-                 : "r"((uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing))
-                 : "memory");
-    const int32_t t = (int32_t)(uint32_t)v;
-    if ((uint32_t)(v >> 32) != k + 1 || t < a.own_first || t >= a.g.total) return;
-    const int2 mn = decode_tile<kClusterM, kClusterN>(a.g, t, cute::block_id_in_cluster());
-    const int64_t row = (int64_t)mn.x * kTileM, col0 = (int64_t)mn.y * kTileN;
-    if (col0 >= a.N) return;
-    const int64_t brow = row - a.peers.rank * a.m + 16 * w;
-    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
-    if (a.mode == 0 && !__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane))) return;
-    __syncwarp();  // every lane's loads after every lane's acquire
-    drain_reads();
-    const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
-    UnitLoader ld(a.peers.stage[a.peers.rank] + parity + (brow * a.N + col0) * 2, a.slot_bytes,
-                  a.peers.n - 1, a.N, col0, kTileN, (uint32_t)__cvta_generic_to_shared(smf), lane);
-    for (int u = 0; u < kUnitBufs - 1; ++u) ld.next(true);
-    pre_k_ = k + 1;
-  }
   CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
@@ -365,8 +326,6 @@ class TileEpilogue {
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
-  uint32_t pre_k_ = 0;         // 1 + the CTA's tile whose own slab's first units pre_issue
-                               // loaded, its flags all set (0: none)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
@@ -401,7 +360,7 @@ struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Op = TileEpilogue<Element, kTileN, kPingpong, kClusterM, kClusterN>;
+  using Op = TileEpilogue<Element, kTileN, kPingpong>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -471,7 +430,6 @@ struct TileKernel {
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
-    e.g = g;
     return args;
   }
 

@@ -44,22 +44,6 @@ __device__ __forceinline__ uint64_t* claim_ring() {
   return ring;
 }
 
-// Cluster tile t (< g.total) -> the tile (M_idx, N_idx) of the CTA at `c` in its cluster.
-// Block-major in the order r+1, r+2, ..., r; within a block, bands of `swizzle` cluster rows,
-// column-major inside a band. (The scheduler's order; the epilogue's look at the next tile.)
-template <int kClusterM, int kClusterN>
-CUTLASS_DEVICE int2 decode_tile(const Geometry& g, int32_t t, dim3 c) {
-  const int32_t per_block = g.cluster_rows * g.cluster_cols;
-  const int32_t vb = t / per_block, i = t - vb * per_block;
-  const int32_t band = i / (g.swizzle * g.cluster_cols);
-  const int32_t rows = min(g.swizzle, g.cluster_rows - band * g.swizzle);
-  const int32_t ii = i - band * g.swizzle * g.cluster_cols;
-  const int32_t cm = band * g.swizzle + ii % rows, cn = ii / rows;
-  const int32_t block = g.plain ? vb : (vb + g.rank + 1) % g.n;
-  return make_int2((block * g.cluster_rows + cm) * kClusterM + (int32_t)c.x,
-                   cn * kClusterN + (int32_t)c.y);
-}
-
 // The scheduler tags (TileSchedulerSelector below): the cooperative and the ping-pong kernel.
 struct ClaimedTiles {};
 struct ClaimedTilesPingpong {};
@@ -246,11 +230,20 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     }
   }
 
-  // Cluster tile t -> this CTA's tile (decode_tile).
+  // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
+  // block, bands of `swizzle` cluster rows, column-major inside a band.
   CUTLASS_DEVICE Tile decode(int32_t t) const {
     if (t >= g_.total) return Tile::invalid_work_tile();
-    const int2 mn = decode_tile<kClusterM, kClusterN>(g_, t, cute::block_id_in_cluster());
-    return {mn.x, mn.y, 0, true};
+    const int32_t per_block = g_.cluster_rows * g_.cluster_cols;
+    const int32_t vb = t / per_block, i = t - vb * per_block;
+    const int32_t band = i / (g_.swizzle * g_.cluster_cols);
+    const int32_t rows = min(g_.swizzle, g_.cluster_rows - band * g_.swizzle);
+    const int32_t ii = i - band * g_.swizzle * g_.cluster_cols;
+    const int32_t cm = band * g_.swizzle + ii % rows, cn = ii / rows;
+    const int32_t block = g_.plain ? vb : (vb + g_.rank + 1) % g_.n;
+    const dim3 c = cute::block_id_in_cluster();
+    const int32_t m_idx = (block * g_.cluster_rows + cm) * kClusterM + (int32_t)c.x;
+    return {m_idx, cn * kClusterN + (int32_t)c.y, 0, true};
   }
 
   Geometry g_;

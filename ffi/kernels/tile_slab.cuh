@@ -54,7 +54,7 @@ __device__ __forceinline__ uint32_t unit_off(int row, int piece) {  // byte offs
 // The loads of an own slab's peer units -- chunk c (32 columns) of source s, c-major, s in rank
 // order -- into a warp's unit buffers (unit u in buffer u % kUnitBufs): each next() loads one
 // (the lane's 32 bytes of its row, 16 at a time) and commits it as one cp.async group of every
-// lane (empty past the last unit), or with load = false only counts one already loaded.
+// lane (empty past the last unit).
 struct UnitLoader {
   const char* g;  // the lane's next 16 bytes
   int64_t stride;
@@ -68,14 +68,14 @@ struct UnitLoader {
     lleft = (int)min(left, (int64_t)tile_n) - 8 * piece;  // the lane's columns left
     g = src0 + (row * N + 8 * piece) * 2;
   }
-  CUTLASS_DEVICE void next(bool load) {
+  CUTLASS_DEVICE void next() {
     if (ic < chunks) {
       const uint32_t buf = sbase + (iu % kUnitBufs) * kUnitBytes;
-      if (load && 32 * ic < lleft)
+      if (32 * ic < lleft)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf + unit_off(row, piece)),
                      "l"(g)
                      : "memory");
-      if (load && 32 * ic + 8 < lleft)
+      if (32 * ic + 8 < lleft)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
                          buf + unit_off(row, piece + 1)),
                      "l"(g + 16)
@@ -84,7 +84,7 @@ struct UnitLoader {
       g += stride;
       if (++is == count) is = 0, ++ic, g += 64 - count * stride;
     }
-    if (load) asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
 };
 
@@ -121,12 +121,11 @@ struct SlabIO {
   // (cp.async, 16 bytes per lane: no registers held while they fly), kUnitBufs - 1 ahead of the
   // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
   // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
-  // so that each pair of lanes stores one row's 64 contiguous bytes. pre: the first
-  // kUnitBufs - 1 units were loaded already (TileEpilogue::pre_issue, the same UnitLoader).
+  // so that each pair of lanes stores one row's 64 contiguous bytes.
   template <class Acc>
   CUTLASS_DEVICE static void sum_store(Acc& acc, const char* src0, int64_t stride, int count,
-                                       char* dst, float* smf, int lane, int64_t col0, int64_t N,
-                                       bool pre) {
+                                       char* dst, float* smf, int lane, int64_t col0,
+                                       int64_t N) {
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     const int64_t left = N - col0;  // the tile's columns inside the problem
     const int chunks = (int)min((int64_t)(kTileN / 32), (left + 31) / 32);
@@ -134,14 +133,14 @@ struct SlabIO {
     const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;  // ldmatrix rows
     UnitLoader ld(src0, stride, count, N, col0, kTileN, sbase, lane);
     if (count > 0)
-      for (int u = 0; u < kUnitBufs - 1; ++u) ld.next(!pre);  // pre: pre_issue did
+      for (int u = 0; u < kUnitBufs - 1; ++u) ld.next();
     int u = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kTileN / 32; ++c) {
       if (c >= chunks) break;
 #pragma unroll 1
       for (int s = 0; s < count; ++s, ++u) {
-        ld.next(true);  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
+        ld.next();  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
         asm volatile("cp.async.wait_group %0;" ::"n"(kUnitBufs - 1) : "memory");
         __syncwarp();  // unit u: every lane's pieces
         const uint32_t buf = sbase + (u % kUnitBufs) * kUnitBytes;
