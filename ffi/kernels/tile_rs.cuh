@@ -9,10 +9,10 @@
 //                   the lanes' coalesced stores (cooperative), neither waited for; the slab's
 //                   flags (one per 128 columns: the same layout for every entry) published at
 //                   the warp's next tile after the stores have landed (at once if that tile is
-//                   own or none);
-//                   own tiles check each peer's flags of the slab, load the peers' slabs
-//                   asynchronously into shared memory (cp.async, a few units ahead), add them in
-//                   rank order to the f32 accumulators, round once, store.
+//                   own or none); own tiles check each peer's flags of the slab, load the peers'
+//                   slabs asynchronously into shared memory (tile_slab.cuh: cp.async, a few
+//                   units ahead), add them in rank order to the f32 accumulators, round once,
+//                   store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
@@ -218,11 +218,10 @@ class TileEpilogue {
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
   }
 
-  // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
-  // warpgroup's next tile is known to be foreign (its MMA then hides the stores' landing).
-  // (legacy_publish adds only its full fence here.)
-  // Otherwise the next tile's epilogue publishes (and reuses the buffers after its waits); else
-  // its buffers are drained too (the CTA may exit).
+  // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
+  // stores' reads of the warp's buffers (the CTA may exit), unless the warpgroup's next tile is
+  // known to be foreign (its MMA then hides the stores' landing; that tile's epilogue publishes
+  // and reuses the buffers after its waits). (legacy_publish adds only its full fence here.)
   CUTLASS_DEVICE void end_tile() {
     if (kPingpong && !next_is_foreign(last_k_ + 2)) {
       flush();
