@@ -5,18 +5,17 @@
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
-//                   (peer memory, coalesced 16-byte stores through shared memory), the slab's
+//                   (peer memory) through shared memory, by bulk async stores (ping-pong) or
+//                   the lanes' coalesced stores (cooperative), neither waited for; the slab's
 //                   flags (one per 128 columns: the same layout for every entry) published at
-//                   the warp's next tile, when the stores are long done (at once if that tile is
-//                   own or none); own tiles wait for each peer's flags of the slab, add the
-//                   slabs in rank order to the f32
-//                   accumulators (coalesced, through shared memory), round once, store.
+//                   the warp's next tile after the stores have landed (at once if that tile is
+//                   own or none); own tiles check each peer's flags of the slab, load the peers'
+//                   slabs asynchronously into shared memory (tile_slab.cuh: cp.async, a few
+//                   units ahead), add them in rank order to the f32 accumulators, round once,
+//                   store.
 // Epochs, abort words, timeouts and the error record are those of every jaxoverlap kernel
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -29,35 +28,9 @@
 
 #include "kernels/tile_rs.h"
 #include "kernels/tile_sched.cuh"
+#include "kernels/tile_slab.cuh"
 
 namespace jaxoverlap::tile {
-
-constexpr int kSlabStride = 72;   // 16-bit elements per shared row of a 64-column chunk (+8 pad)
-constexpr int kSumStride = 40;    // floats per shared row of a 32-column f32 chunk (+8 pad)
-constexpr int kSlabWords = 16 * kSumStride;  // a warp's shared rows (the larger of the two)
-static_assert(16 * kSlabStride * 2 <= kSlabWords * 4, "a 16-bit chunk fits the warp's rows");
-
-// 16-bit float helpers of the epilogue.
-template <class T>
-struct Half2;
-template <>
-struct Half2<cutlass::bfloat16_t> {
-  __device__ static uint32_t pack(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
-  }
-};
-template <>
-struct Half2<cutlass::half_t> {
-  __device__ static uint32_t pack(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
-};
 
 struct EpilogueArgs {
   Peers peers;
@@ -77,7 +50,7 @@ template <class Acc>
 struct SlabAcc {
   Acc& acc;
   int off;
-  CUTLASS_DEVICE float operator()(int i) const { return acc(i + off); }
+  CUTLASS_DEVICE float& operator()(int i) const { return acc(i + off); }
 };
 
 // The epilogue, in the operator() form that CUTLASS's Sm90TmaWarpSpecializedAdapter calls for
@@ -93,6 +66,18 @@ class TileEpilogue {
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
   static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
   static constexpr int kThreads = kPingpong ? 128 : 256;  // the epilogue's threads per tile
+  using Slab = SlabIO<Element, kTileN>;
+  // Foreign and plain slabs leave by bulk async stores in the ping-pong kernel, by stores of the
+  // warp's lanes in the cooperative one (JAXOVERLAP_TILE_BULK_STORE=1: bulk there too, for
+  // timing): its epilogue issues a whole tile's bulk stores at once, 1,024 small copies per CTA
+  // that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256 plain
+  // GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
+  // warpgroup's MMA, whose shared memory the lanes' stores would contend for.
+#ifdef JAXOVERLAP_TILE_BULK_STORE
+  static constexpr bool kBulkStore = true;
+#else
+  static constexpr bool kBulkStore = kPingpong;
+#endif
 
  public:
   using ElementOutput = Element;
@@ -206,19 +191,26 @@ class TileEpilogue {
         continue;
       }
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
-      for (int t = 1; t < n; ++t) {
-        const int src = (r + t) % n;
-        char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-        for (int f = 0; f < nflags && a.mode == 0 && !failed_; ++f) {
-          const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
-          if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
-            failed_ = true;
-        }
+      // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
+      // with the bounded wait.
+      if (a.mode == 0 && !failed_) {
+        if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
+          for (int t = 1; t < n; ++t) {
+            const int src = (r + t) % n;
+            char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+            for (int f = 0; f < nflags && !failed_; ++f) {
+              const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+              if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+                failed_ = true;
+            }
+          }
+        __syncwarp();  // every lane's loads after every lane's acquire
       }
+      drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
-      store_sum_slab(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                     col0);
+      Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
+                      col0, a.N);
     }
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
@@ -226,17 +218,33 @@ class TileEpilogue {
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
   }
 
-  // The ping-pong kernel's end of each tile (its store_tail): publish now unless the
-  // warpgroup's next tile is known to be foreign (its MMA then hides the stores' landing).
-  // (legacy_publish adds only its full fence here.)
+  // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
+  // stores' reads of the warp's buffers (the CTA may exit), unless the warpgroup's next tile is
+  // known to be foreign (its MMA then hides the stores' landing; that tile's epilogue publishes
+  // and reuses the buffers after its waits). (legacy_publish adds only its full fence here.)
   CUTLASS_DEVICE void end_tile() {
-    if (kPingpong && !next_is_foreign(last_k_ + 2)) flush();
+    if (kPingpong && !next_is_foreign(last_k_ + 2)) {
+      flush();
+      drain_reads();
+    }
   }
 
-  // Publishes the flags of the warp's last foreign slab. __syncwarp orders the other lanes'
-  // stores before lane 0's release, which is cumulative: no full fence (two-gpu-risks R4).
+  // The cooperative kernel's end: the last flags, and no bulk store reading shared memory.
+  CUTLASS_DEVICE void end_kernel() {
+    flush();
+    drain_reads();
+  }
+
+  // Publishes the flags of the warp's last foreign slabs: every lane waits for its bulk stores
+  // to be performed (wait_group 0, not the .read form), orders them before generic accesses
+  // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
+  // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
+    if (kBulkStore) {
+      tma_wait_all();
+      fence_proxy_async();
+    }
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
@@ -259,6 +267,19 @@ class TileEpilogue {
     return (int32_t)(uint32_t)v >= p_->own_first ? 1 : 0;
   }
   CUTLASS_DEVICE bool next_is_own_or_none(uint32_t k) const { return own_or_none(k) == 1; }
+
+  // Whether this lane's flag of an own slab (first row brow of the block, columns col0..) is
+  // this call's: lane l < (n - 1) nflags checks source r + 1 + l / nflags's flag l % nflags, with
+  // an acquire (lanes past those: true).
+  CUTLASS_DEVICE bool own_flags_set(int64_t brow, int64_t col0, int nflags, int lane) const {
+    const EpilogueArgs& a = *p_;
+    const int n = a.peers.n, r = a.peers.rank;
+    if (lane >= (n - 1) * nflags) return true;
+    const int src = (r + 1 + lane / nflags) % n;
+    char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+    const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
+    return ld_acquire_sys(tile_slab_flags(src_slot, a.m, a.N) + flag0 + lane % nflags) == e_;
+  }
   CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
@@ -280,94 +301,18 @@ class TileEpilogue {
     return ok != 0;
   }
 
-  // Stores acc + the `count` 16-bit slabs at src + i * stride (added in that order in f32,
-  // rounded once) at dst (row pitch N). 32 columns at a time: the f32 accumulators go through the warp's shared
-  // rows, and each pair of lanes then reads one row's 32 columns -- 16-byte loads of every
-  // source, 64 contiguous bytes per row -- adds and stores them. The first source's loads of
-  // the next chunk are issued before this chunk is summed, so their latency overlaps.
   template <class Acc>
-  CUTLASS_DEVICE void store_sum_slab(Acc& acc, const char* src0, int64_t stride, int count,
-                                     char* dst, float* sm, int lane, int64_t col0) const {
-    const int q = lane / 4, t = lane % 4;
-    const int row = lane / 2, half = lane % 2;  // the coalesced phase: 16 columns per lane
-    const int64_t N = p_->N;
-    const int64_t lane_col = 16 * half;  // this lane's first column of each 32
-    const char* in = src0 + (row * N + lane_col) * 2;
-    char* out = dst + (row * N + lane_col) * 2;
-    const int64_t valid = N - col0 - lane_col;  // columns left for this lane from its first
-    auto load = [&](int src, int c, int i) -> uint4 {  // 8 columns of row `row`
-      if (32 * c + 8 * i >= valid) return make_uint4(0, 0, 0, 0);
-      return __ldcg(reinterpret_cast<const uint4*>(in + src * stride + (32 * c + 8 * i) * 2));
-    };
-    uint4 next[2] = {};
-    if (count > 0) next[0] = load(0, 0, 0), next[1] = load(0, 0, 1);
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kTileN / 32; ++c) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g)
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int i = 4 * (4 * c + g) + 2 * v1;
-          *reinterpret_cast<float2*>(sm + (q + 8 * v1) * kSumStride + 8 * g + 2 * t) =
-              make_float2(acc(i), acc(i + 1));
-        }
-      __syncwarp();
-      const uint4 first[2] = {next[0], next[1]};
-      if (count > 0 && c + 1 < kTileN / 32) next[0] = load(0, c + 1, 0), next[1] = load(0, c + 1, 1);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 2; ++i) {
-        const float* f = sm + row * kSumStride + 16 * half + 8 * i;
-        float v[8];
-        *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(f);
-        *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(f + 4);
-        auto add = [&](uint4 u) {
-          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-          CUTLASS_PRAGMA_UNROLL
-          for (int k = 0; k < 4; ++k) {
-            const float2 p = Half2<Element>::unpack(w[k]);
-            v[2 * k] += p.x;
-            v[2 * k + 1] += p.y;
-          }
-        };
-        if (count > 0) add(first[i]);
-#pragma unroll 1
-        for (int src = 1; src < count; ++src) add(load(src, c, i));  // n > 2
-        if (32 * c + 8 * i < valid)
-          *reinterpret_cast<uint4*>(out + (32 * c + 8 * i) * 2) = make_uint4(
-              Half2<Element>::pack(v[0], v[1]), Half2<Element>::pack(v[2], v[3]),
-              Half2<Element>::pack(v[4], v[5]), Half2<Element>::pack(v[6], v[7]));
-      }
-      __syncwarp();
-    }
+  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
+    if constexpr (kBulkStore)
+      Slab::store_bulk(acc, dst, smf, lane, col0, p_->N, chunk_);
+    else
+      Slab::store_lanes(acc, dst, smf, lane, col0, p_->N);
   }
 
-  // Rounds the slab to 16 bits and stores it at dst (row pitch N), 64 columns at a time through
-  // the warp's shared rows, so that each 8 lanes write 128 contiguous bytes of a row.
-  template <class Acc>
-  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) const {
-    const int q = lane / 4, t = lane % 4;
-    uint16_t* sm = reinterpret_cast<uint16_t*>(smf);
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kTileN / 64; ++c) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 8; ++g) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int i = 4 * (8 * c + g) + 2 * v1;
-          *reinterpret_cast<uint32_t*>(sm + (q + 8 * v1) * kSlabStride + 8 * g + 2 * t) =
-              Half2<Element>::pack(acc(i), acc(i + 1));
-        }
-      }
-      __syncwarp();
-      CUTLASS_PRAGMA_UNROLL
-      for (int it = 0; it < 4; ++it) {
-        const int rr = 4 * it + lane / 8, cv = lane % 8;
-        const int64_t col = 64 * c + 8 * cv;
-        const uint4 v = *reinterpret_cast<const uint4*>(sm + rr * kSlabStride + 8 * cv);
-        if (col0 + col < p_->N) *reinterpret_cast<uint4*>(dst + (rr * p_->N + col) * 2) = v;
-      }
-      __syncwarp();
-    }
+  // Every lane's bulk stores have read their shared buffers (before the warp writes them with
+  // generic stores, and before the CTA exits).
+  CUTLASS_DEVICE void drain_reads() const {
+    if (kBulkStore) Slab::drain_bulk_reads();
   }
 
   // The kernel's parameters (grid constants, alive for the whole kernel): read in place, not
@@ -379,6 +324,7 @@ class TileEpilogue {
   uint32_t* pending_[kSlabsPerWarp] = {};  // flags of the last foreign slabs, published later
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
+  uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
@@ -398,7 +344,7 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
     if constexpr (Op::kPerWarpgroupTiles)
       this->end_tile();
     else
-      this->flush();
+      this->end_kernel();
     return cute::make_tuple(ls, ss);
   }
 };
