@@ -154,6 +154,11 @@ def classify(found, rules):
     return ours, excluded, api
 
 
+# The first line of a host crash's report in a worker's output (faulthandler; the native stack
+# of tools/probes/crash_backtrace.c where it is preloaded).
+_CRASH = re.compile(r"^(Fatal Python error|\[crash_backtrace\])")
+
+
 def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=(),
              sanitized=(0, 1), shapes="default"):  # fmt: skip
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
@@ -175,6 +180,9 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         "NCCL_NVLS_ENABLE": "0",
         "XPROC_ONLY": only,
         "XPROC_SHAPES": shapes,
+        # A host crash (a signal) prints every thread's Python stack into the worker's .out: in
+        # call E two workers died under racecheck/initcheck without a line.
+        "PYTHONFAULTHANDLER": "1",
     }
     kernels = KERNELS.get(tool) if kernels is None else kernels
     flags = [*SANITIZER_FLAGS[tool], *(["--kernel-name", f"kns={kernels}"] if kernels else [])]
@@ -201,10 +209,11 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
             timed_out = True
             for q in procs:
                 q.kill()
+    codes = []
     for pr, f in zip(procs, files, strict=True):
-        pr.wait()
+        codes.append(pr.wait())
         f.close()
-    return logs, timed_out, time.time() - t0
+    return logs, timed_out, time.time() - t0, codes
 
 
 def main(argv=None):
@@ -230,7 +239,7 @@ def main(argv=None):
     sanitized = tuple(int(p) for p in a.sanitized.split(","))
     ok = True
     for tool in a.tools.split(","):
-        logs, timed_out, dt = run_tool(
+        logs, timed_out, dt, codes = run_tool(
             tool, a.mode, a.out, a.deadline_s, a.timeout_s, a.only, a.kernels, a.tag,
             a.extra.split(), sanitized, a.shapes,
         )  # fmt: skip
@@ -245,8 +254,8 @@ def main(argv=None):
             summary = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
             line_ok = not ours and not failed and cases and not timed_out
             print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
-                  f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, sanitizer summary "
-                  f"{'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
+                  f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, exit {codes[p]}, sanitizer "
+                  f"summary {'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
                   f"{sum(excluded.values())}, host API errors {len(api)}", flush=True)  # fmt: skip
             crashed = re.findall(r"Internal Sanitizer Error[^\n]*", text)
             for c in crashed[:2]:
@@ -265,7 +274,9 @@ def main(argv=None):
             for c in failed[:5]:
                 print(f"    FAILED case: {c}")
             if not line_ok:  # why, for a run whose log files do not come back
-                tail = [ln for ln in printed.splitlines() if ln.strip()][-6:]
+                lines = [ln for ln in printed.splitlines() if ln.strip()]
+                crash = [i for i, ln in enumerate(lines) if _CRASH.search(ln)][:2]
+                tail = [ln for i in crash for ln in lines[i : i + 30]] or lines[-6:]
                 errors = [ln for ln in text.splitlines() if "rror" in ln][:4]
                 for ln in tail + errors:
                     print(f"    | {ln[:200]}")
