@@ -252,7 +252,9 @@ def main(argv=None):
             failed = [c for c, s in cases if s == "FAILED"]
             ours, excluded, api = classify(findings(text), rules)
             summary = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
-            line_ok = not ours and not failed and cases and not timed_out
+            # A worker ends with os._exit(0): any other status (a signal: 11 SIGSEGV, 9 SIGKILL as
+            # the sanitizer passes them on) fails the line even after its cases reported.
+            line_ok = not ours and not failed and cases and not timed_out and codes[p] == 0
             print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
                   f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, exit {codes[p]}, sanitizer "
                   f"summary {'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
