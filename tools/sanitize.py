@@ -17,9 +17,10 @@ line: an exclusion may name either (``kernel @ file:line``).
 
 ``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes``: the worker's problem
 (``default`` 2048 x 2048 x 1024; ``small``, 1024 x 512 x 256, every case's code paths at 1/32 of
-its GEMM work -- in call E the chunked reduce-scatter's runs at ``small`` lost process 0 under
-racecheck and initcheck alike, cause not found, while the default shapes had passed racecheck in
-call D). ``--kernels``: instrument only kernels whose name contains this
+its GEMM work). Workers that died without a line (issue 25, calls E and 1-3): under racecheck the
+host's OOM killer (a racecheck worker held ~48 GB of host memory: run one racecheck pair at a time
+on a 128 GB host); under initcheck a SIGSEGV in the tool's cuMemAllocAsync hook (initcheck runs
+with the GEMM search off, below). ``--kernels``: instrument only kernels whose name contains this
 substring (``--kernel-name kns=...``; the others run uninstrumented) -- not under racecheck while
 cuBLASLt's kernels run (KERNELS says why). ``--sanitized 0``: only process 0 runs under the
 sanitizer, process 1 plainly (still a real rank). ``--extra``: more compute-sanitizer flags, one
@@ -184,6 +185,14 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         # call E two workers died under racecheck/initcheck without a line.
         "PYTHONFAULTHANDLER": "1",
     }
+    if tool == "initcheck":
+        # compute-sanitizer 2025.3.1's initcheck crashes the process (SIGSEGV inside its
+        # cuMemAllocAsync hook) on a stream-ordered allocation on a green-context stream, which
+        # the GEMM runner's candidate timing makes on the SM partition's GEMM stream (the chunked
+        # reduce-scatter, the all-reduce): tools/probes/green_async_alloc_probe.cu reproduces it
+        # without our code (issue 25, call 3). Without the search the same kernels run, cuBLASLt's
+        # first heuristic choice for the GEMM.
+        env.setdefault("JAXOVERLAP_GEMM_SEARCH", "0")
     kernels = KERNELS.get(tool) if kernels is None else kernels
     flags = [*SANITIZER_FLAGS[tool], *(["--kernel-name", f"kns={kernels}"] if kernels else [])]
     procs, logs, files = [], [], []
