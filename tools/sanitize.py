@@ -17,9 +17,10 @@ line: an exclusion may name either (``kernel @ file:line``).
 
 ``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes``: the worker's problem
 (``default`` 2048 x 2048 x 1024; ``small``, 1024 x 512 x 256, every case's code paths at 1/32 of
-its GEMM work -- in call E the chunked reduce-scatter's runs at ``small`` lost process 0 under
-racecheck and initcheck alike, cause not found, while the default shapes had passed racecheck in
-call D). ``--kernels``: instrument only kernels whose name contains this
+its GEMM work). Workers that died without a line (issue 25, calls E and 1-3): under racecheck the
+host's OOM killer (a racecheck worker held ~48 GB of host memory: run one racecheck pair at a time
+on a 128 GB host); under initcheck a SIGSEGV in the tool's cuMemAllocAsync hook (initcheck runs
+with the GEMM search off, below). ``--kernels``: instrument only kernels whose name contains this
 substring (``--kernel-name kns=...``; the others run uninstrumented) -- not under racecheck while
 cuBLASLt's kernels run (KERNELS says why). ``--sanitized 0``: only process 0 runs under the
 sanitizer, process 1 plainly (still a real rank). ``--extra``: more compute-sanitizer flags, one
@@ -154,6 +155,11 @@ def classify(found, rules):
     return ours, excluded, api
 
 
+# The first line of a host crash's report in a worker's output (faulthandler; the native stack
+# of tools/probes/crash_backtrace.c where it is preloaded).
+_CRASH = re.compile(r"^(Fatal Python error|\[crash_backtrace\])")
+
+
 def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=(),
              sanitized=(0, 1), shapes="default"):  # fmt: skip
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
@@ -175,7 +181,18 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         "NCCL_NVLS_ENABLE": "0",
         "XPROC_ONLY": only,
         "XPROC_SHAPES": shapes,
+        # A host crash (a signal) prints every thread's Python stack into the worker's .out: in
+        # call E two workers died under racecheck/initcheck without a line.
+        "PYTHONFAULTHANDLER": "1",
     }
+    if tool == "initcheck":
+        # compute-sanitizer 2025.3.1's initcheck crashes the process (SIGSEGV inside its
+        # cuMemAllocAsync hook) on a stream-ordered allocation on a green-context stream, which
+        # the GEMM runner's candidate timing makes on the SM partition's GEMM stream (the chunked
+        # reduce-scatter, the all-reduce): tools/probes/green_async_alloc_probe.cu reproduces it
+        # without our code (issue 25, call 3). Without the search the same kernels run, cuBLASLt's
+        # first heuristic choice for the GEMM.
+        env.setdefault("JAXOVERLAP_GEMM_SEARCH", "0")
     kernels = KERNELS.get(tool) if kernels is None else kernels
     flags = [*SANITIZER_FLAGS[tool], *(["--kernel-name", f"kns={kernels}"] if kernels else [])]
     procs, logs, files = [], [], []
@@ -201,10 +218,11 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
             timed_out = True
             for q in procs:
                 q.kill()
+    codes = []
     for pr, f in zip(procs, files, strict=True):
-        pr.wait()
+        codes.append(pr.wait())
         f.close()
-    return logs, timed_out, time.time() - t0
+    return logs, timed_out, time.time() - t0, codes
 
 
 def main(argv=None):
@@ -230,7 +248,7 @@ def main(argv=None):
     sanitized = tuple(int(p) for p in a.sanitized.split(","))
     ok = True
     for tool in a.tools.split(","):
-        logs, timed_out, dt = run_tool(
+        logs, timed_out, dt, codes = run_tool(
             tool, a.mode, a.out, a.deadline_s, a.timeout_s, a.only, a.kernels, a.tag,
             a.extra.split(), sanitized, a.shapes,
         )  # fmt: skip
@@ -243,10 +261,12 @@ def main(argv=None):
             failed = [c for c, s in cases if s == "FAILED"]
             ours, excluded, api = classify(findings(text), rules)
             summary = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
-            line_ok = not ours and not failed and cases and not timed_out
+            # A worker ends with os._exit(0): any other status (a signal: 11 SIGSEGV, 9 SIGKILL as
+            # the sanitizer passes them on) fails the line even after its cases reported.
+            line_ok = not ours and not failed and cases and not timed_out and codes[p] == 0
             print(f"{tool:9s} process {p}: {len(cases)} cases ({len(failed)} failed), "
-                  f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, sanitizer summary "
-                  f"{'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
+                  f"{'TIMED OUT ' if timed_out else ''}{dt:.0f} s, exit {codes[p]}, sanitizer "
+                  f"summary {'+'.join(summary) or '-'} errors; ours {len(ours)}, excluded "
                   f"{sum(excluded.values())}, host API errors {len(api)}", flush=True)  # fmt: skip
             crashed = re.findall(r"Internal Sanitizer Error[^\n]*", text)
             for c in crashed[:2]:
@@ -265,7 +285,9 @@ def main(argv=None):
             for c in failed[:5]:
                 print(f"    FAILED case: {c}")
             if not line_ok:  # why, for a run whose log files do not come back
-                tail = [ln for ln in printed.splitlines() if ln.strip()][-6:]
+                lines = [ln for ln in printed.splitlines() if ln.strip()]
+                crash = [i for i, ln in enumerate(lines) if _CRASH.search(ln)][:2]
+                tail = [ln for i in crash for ln in lines[i : i + 30]] or lines[-6:]
                 errors = [ln for ln in text.splitlines() if "rror" in ln][:4]
                 for ln in tail + errors:
                     print(f"    | {ln[:200]}")
