@@ -400,8 +400,15 @@ def run_inverted(c, inverted, args, process, shards, jaxoverlap, timeout_s):
     t0 = time.time()
     error = None
     first = 1 if inverted else 0  # the call each process runs first: B in process 1
+    steps_nan = None
     try:
         outs = jax.block_until_ready(c(*args))
+        # Per scan step, the NaN fraction of this process's A and B outputs (diagnostics of a
+        # failed inversion: which calls gave up, which ran).
+        steps_nan = [
+            [round(float(np.isnan(v[i]).mean()), 3) for i in range(v.shape[0])]
+            for _, v in shards(outs)
+        ]
         nan = bool(np.isnan(shards(outs)[first][1]).all())
         jaxoverlap.check_errors()
     except Exception as e:  # the program's own error, or check_errors'
@@ -415,7 +422,8 @@ def run_inverted(c, inverted, args, process, shards, jaxoverlap, timeout_s):
     ok = named and typed and nan is not False and dt < 4 * timeout_s
     print(
         f"inverted {'OK' if ok else 'FAILED'} process={process} inverted={inverted} in "
-        f"{dt:.1f}s nan={nan} error={type(error).__name__}: {str(error)[:300]}",
+        f"{dt:.1f}s nan={nan} steps_nan(A, B)={steps_nan} error={type(error).__name__}: "
+        f"{str(error)[:600]}",
         flush=True,
     )
 
