@@ -7,8 +7,9 @@ sharing the GPUs (on a one-GPU machine both drive GPU 0; tests/gpu/order_worker.
   bitwise repeatable, and the optimized HLO runs them in program order (the barrier form, the
   default: its schedule; the token form: the first call's token result passed to the second);
 * the order inverted in one process (the deadlock R2 is about, forced by a test-only inversion):
-  it shows once, bounded by the timeout, as NaN and a `FusedCallError` naming the op; nobody
-  hangs;
+  it shows once, bounded by the timeout, as NaN and a `FusedCallError` naming the op (or, when
+  the peer's give-up releases this process's first call in time, the peer's give-up: both are
+  right, order_worker.run_inverted); no wrong finite output; nobody hangs;
 * ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` with command buffers on: the fused calls
   are kept out of the concurrent graphs (`jaxoverlap.runtime.command_buffers`, one warning), and
   1,000 executions of two independent fused calls are clean and bitwise equal to the first
