@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -138,3 +139,26 @@ def test_memory_probe_across_two_processes_cpu():
     marks = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("MEM ")]
     assert marks == ["start", "fresh:1", "sizes:1", "sizes:2"], marks
     assert all(ln.count(" ours ") == 2 for ln in out.stdout.splitlines() if ln.startswith("MEM "))
+
+
+def test_deadline_kills_the_worker_under_the_sanitizer(tmp_path, monkeypatch):
+    """At the deadline run_tool kills each sanitizer's whole process group: the worker under it
+    too (killing the sanitizer alone left the Python worker running, holding the GPU)."""
+    fake = tmp_path / "compute-sanitizer"
+    pids = tmp_path / "pids"
+    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >> {pids}\nsleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: str(fake))
+    logs, timed_out, _, codes = sanitize.run_tool("memcheck", "ops", str(tmp_path), 1.0, 5.0)
+    assert timed_out and all(c != 0 for c in codes), codes
+    children = [int(p) for p in pids.read_text().split()]
+    assert len(children) == 2
+    for pid in children:
+        for _ in range(50):  # the kill is asynchronous: let the child go
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"the worker {pid} under the sanitizer outlived the deadline")

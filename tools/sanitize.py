@@ -33,6 +33,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -160,6 +161,14 @@ def classify(found, rules):
 _CRASH = re.compile(r"^(Fatal Python error|\[crash_backtrace\])")
 
 
+def _kill_group(proc):
+    """SIGKILL `proc`'s whole process group (it leads one: start_new_session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=(),
              sanitized=(0, 1), shapes="default"):  # fmt: skip
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
@@ -207,7 +216,13 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
             cmd = cmd[cmd.index(sys.executable) :]
         if p == min(sanitized):
             print("$", " ".join(cmd), flush=True)
-        procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env))
+        # Its own process group: at the deadline the sanitizer and the Python worker under it
+        # go together (killing the sanitizer alone left the worker running, holding the GPU).
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
         files.append(stdout)
         logs.append((log, stdout.name))
     t0, timed_out = time.time(), False
@@ -217,7 +232,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         except subprocess.TimeoutExpired:
             timed_out = True
             for q in procs:
-                q.kill()
+                _kill_group(q)
     codes = []
     for pr, f in zip(procs, files, strict=True):
         codes.append(pr.wait())
