@@ -27,7 +27,7 @@ std::map<int, std::unique_ptr<DeviceCell>> g_devices;
 constexpr int kMaxDevices = 64;
 std::atomic<ErrorRecord*> g_errors{nullptr};  // [kMaxDevices], host-mapped
 std::once_flag g_errors_once;
-std::mutex g_pending_mu;                 // guards g_pending; taken alone or before a seq_mu
+std::mutex g_pending_mu;                 // guards g_pending; never held while taking a seq_mu (note_failure takes it under one)
 std::vector<std::string> g_pending;      // failures noticed, not yet taken by check_errors()
 
 DeviceCell* device_cell(int ordinal) {
