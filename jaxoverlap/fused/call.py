@@ -367,8 +367,7 @@ def emit(ctx, table, spec, *operands):
     runtime.register_targets()
     knobs = knob_attrs(spec.target)
     ordered, token_operand = bool(fused_effects()), _token_operand()
-    name = spec.target if token_operand else targets.v3(spec.target)
-    target = targets.with_knobs(name) if knobs else name
+    target = emitted(spec.target)  # the one naming rule: `_v3` or `_v2`, `_knobs` under a knob
     if not token_operand:  # the workspace key names the `_v1` target, as before `_v3`
         spec = dataclasses.replace(spec, kind=(targets.v1(spec.target), *spec.kind[1:]))
     attrs = _table_attrs(
