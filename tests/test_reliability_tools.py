@@ -52,6 +52,9 @@ def test_sanitizer_exclusions_spare_our_kernels():
     ours = "cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<jaxoverlap::tile::X>>"
     assert not any(p.search(ours) for p, _ in rules)
     assert not any(p.search("jaxoverlap::tma_push_kernel(jaxoverlap::CommArgs)") for p, _ in rules)
+    # cuBLASLt's own helper kernels are cuBLASLt's (issue 25: its split-K reduce in training).
+    split_k = "cublasLt::splitKreduce_kernel<(int)32, (int)16, int, float>(cublasLt::P<T6>)"
+    assert any(p.search(split_k, "Uninitialized __global__ memory read") for p, _ in rules)
 
 
 RING_LOG = """========= COMPUTE-SANITIZER
@@ -209,3 +212,22 @@ def test_deadline_kills_the_worker_under_the_sanitizer(tmp_path, monkeypatch):
             time.sleep(0.02)
         else:
             raise AssertionError(f"the worker {pid} under the sanitizer outlived the deadline")
+
+
+def test_training_initcheck_leaves_xla_fusions_and_host_copies_unchecked(tmp_path, monkeypatch):
+    """MODE train under initcheck: XLA's fusions uninstrumented and host copies unchecked (their
+    reports -- memory written by TMA stores or a peer's copy engine -- flooded every run); the ops
+    mode keeps both, and so does an explicit --kernels filter."""
+    fake = tmp_path / "compute-sanitizer"
+    args = tmp_path / "args"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {args}\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: str(fake))
+    for mode in ("train", "ops"):
+        sanitize.run_tool("initcheck", mode, str(tmp_path), 10.0, 5.0)
+    sanitize.run_tool("initcheck", "train", str(tmp_path), 10.0, 5.0, kernels="jaxoverlap")
+    lines = args.read_text().splitlines()
+    assert len(lines) == 6, lines  # two processes per run
+    flags = " ".join(sanitize.TRAIN_INITCHECK_FLAGS)
+    assert [flags in ln for ln in lines] == [True, True, False, False, False, False], lines
+    assert "kns=_fusion" in flags and "--check-api-memory-access no" in flags
