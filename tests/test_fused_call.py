@@ -90,7 +90,7 @@ def test_one_process_two_devices(run):
             f"fork stream={100 + d} streams={streams} gemm=1 uses=1",
             "launch warm-up",
             "launch kernel",
-            f"join stream={100 + d} streams={streams} gemm=1 rank={d} out={10 + d}",
+            f"join stream={100 + d} streams={streams} gemm=1 rank={d} out={10 + d} op=5",
             "handler returns",
             *RELEASE,
         ], ev
@@ -104,7 +104,7 @@ def test_two_processes_one_device(run):
     assert "workspace site=42 group=-8,0 rank=1 bytes=4096 partials=1 gather=0" in ev
     assert ev.index("preload") < ev.index("ce_setup") < first(ev, "error_record")
     assert "fork stream=100 streams=100/300 gemm=0 uses=2" in ev
-    assert "join stream=100 streams=100/300 gemm=0 rank=1 out=10" in ev
+    assert "join stream=100 streams=100/300 gemm=0 rank=1 out=10 op=5" in ev
     assert not any(e.startswith("partition") for e in ev)
 
 
@@ -115,7 +115,7 @@ def test_tile_schedule_never_forks_a_stream(run):
     assert ev.index("preload") < first(ev, "launch")
     assert not any(e.startswith(("partition", "ce_setup")) for e in ev)
     assert "fork stream=100 streams=none gemm=0 uses=0" in ev
-    assert "join stream=100 streams=none gemm=0 rank=0 out=10" in ev
+    assert "join stream=100 streams=none gemm=0 rank=0 out=10 op=5" in ev
 
 
 @pytest.mark.parametrize(

@@ -15,16 +15,17 @@ kernels and every case of the worker reported OK; exit status 0 then. Each findi
 its kernel and, where the sanitizer gives one (the kernels are built with -lineinfo), its source
 line: an exclusion may name either (``kernel @ file:line``).
 
-``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes``: the worker's problem
-(``default`` 2048 x 2048 x 1024; ``small``, 1024 x 512 x 256, every case's code paths at 1/32 of
-its GEMM work). Workers that died without a line (issue 25, calls E and 1-3): under racecheck the
-host's OOM killer (a racecheck worker held ~48 GB of host memory: run one racecheck pair at a time
-on a 128 GB host); under initcheck a SIGSEGV in the tool's cuMemAllocAsync hook (initcheck runs
-with the GEMM search off, below). ``--kernels``: instrument only kernels whose name contains this
-substring (``--kernel-name kns=...``; the others run uninstrumented) -- not under racecheck while
-cuBLASLt's kernels run (KERNELS says why). ``--sanitized 0``: only process 0 runs under the
-sanitizer, process 1 plainly (still a real rank). ``--extra``: more compute-sanitizer flags, one
-string (``--extra="--flag value"``).
+``--only``: the worker's cases by tag (XPROC_ONLY). ``--shapes``: the worker's problem (``default``
+2048 x 2048 x 1024; ``small``, 1024 x 512 x 256, every case's code paths at 1/32 of its GEMM work).
+Workers that died without a line (issue 25, calls E and 1-3): under racecheck the host's OOM killer
+(a racecheck worker's host memory grows ~1 GB/s to ~48 GB and more: one racecheck pair at a time on
+a 128 GB host, or ``--sanitized`` one process); under initcheck a SIGSEGV in the tool's
+cuMemAllocAsync hook on a green-context stream (the GEMM search no longer allocates there, below).
+``--kernels``: instrument only kernels whose name contains this substring (``--kernel-name
+kns=...``; the others run uninstrumented) -- not under racecheck while cuBLASLt's kernels run
+(KERNELS says why). ``--sanitized 0``: only process 0 runs under the sanitizer, process 1 plainly
+(still a real rank). ``--extra``: more compute-sanitizer flags, one string (``--extra="--flag
+value"``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ PRINT_LIMIT = "1000"
 # without cuBLASLt ran (issue 25, call D). Hence whole instrumentation, cuBLASLt's findings
 # excluded by name (sanitizer_exclude.txt).
 KERNELS: dict[str, str] = {}
+# initcheck of the training path (MODE train): XLA's fusions read the fused ops' outputs, and the
+# copy-engine handlers copy out of staging slots, both written by stores initcheck cannot see (TMA
+# bulk stores of cuBLASLt's and ours; a peer process's copy engine: sanitizer_exclude.txt says
+# why); initcheck flags every element of them, once per read -- a flood of reports, each with its
+# host backtrace, that kept every training run from finishing in 90-160 s (issue 25: helper S's
+# call 3, helper R's calls 1-2). So there XLA's fusions run uninstrumented (their reports were all
+# of that kind) and host copies go unchecked; jaxoverlap's kernels, and cuBLASLt's, are checked.
+TRAIN_INITCHECK_FLAGS = ["--kernel-name-exclude", "kns=_fusion", "--check-api-memory-access", "no"]
 
 
 def _name(text):
@@ -194,16 +203,16 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         # call E two workers died under racecheck/initcheck without a line.
         "PYTHONFAULTHANDLER": "1",
     }
-    if tool == "initcheck":
-        # compute-sanitizer 2025.3.1's initcheck crashes the process (SIGSEGV inside its
-        # cuMemAllocAsync hook) on a stream-ordered allocation on a green-context stream, which
-        # the GEMM runner's candidate timing makes on the SM partition's GEMM stream (the chunked
-        # reduce-scatter, the all-reduce): tools/probes/green_async_alloc_probe.cu reproduces it
-        # without our code (issue 25, call 3). Without the search the same kernels run, cuBLASLt's
-        # first heuristic choice for the GEMM.
-        env.setdefault("JAXOVERLAP_GEMM_SEARCH", "0")
+    # initcheck runs with the GEMM search on (issue 25): compute-sanitizer 2025.3.1's initcheck
+    # crashed the process (SIGSEGV in its cuMemAllocAsync hook) on the search's stream-ordered
+    # scratch allocations on the SM partition's green-context GEMM stream
+    # (tools/probes/green_async_alloc_probe.cu); the search now allocates them on an ordinary
+    # stream (ffi/runtime/gemm.cc: time_candidates; tests/gpu/test_gemm_search_gpu.py runs it
+    # under initcheck). JAXOVERLAP_GEMM_SEARCH=0 in the caller's environment still turns it off.
     kernels = KERNELS.get(tool) if kernels is None else kernels
     flags = [*SANITIZER_FLAGS[tool], *(["--kernel-name", f"kns={kernels}"] if kernels else [])]
+    if tool == "initcheck" and mode == "train" and not kernels:
+        flags += TRAIN_INITCHECK_FLAGS
     procs, logs, files = [], [], []
     for p in range(2):
         name = f"sanitize-{tool}{'-' + tag if tag else ''}-{mode}-p{p}"

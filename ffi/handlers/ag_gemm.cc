@@ -28,7 +28,7 @@ constexpr const char* kWhat = "jaxoverlap.all_gather_matmul (fused)";
 
 ffi::Error AgGemm(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer* out,
                   ffi::AnyBuffer* gathered, ffi::AnyBuffer* acc, int64_t w_colmajor) {
-  FusedCall fc(kWhat, call);  // comm_sms unused: the copy engine needs no SMs
+  FusedCall fc(kWhat, kOpAgGemm, call);  // comm_sms unused: the copy engine needs no SMs
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n, chunks = call.attrs.chunks;
   RowGemm g;

@@ -30,7 +30,7 @@ ffi::Error DgradRsWgrad(const Call& call, ffi::AnyBuffer ct, ffi::AnyBuffer wt, 
                         const ffi::AnyBuffer* addend, ffi::AnyBuffer* dx, ffi::AnyBuffer* dw,
                         ffi::AnyBuffer* scratch, int64_t w_colmajor) {
   // comm_sms and chunks unused: the copy engine needs no SMs, and neither GEMM is split.
-  FusedCall fc(kWhat, call);
+  FusedCall fc(kWhat, kOpDgradRs, call);
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n;
   DType dtype;

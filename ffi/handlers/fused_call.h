@@ -273,8 +273,9 @@ struct CudaRuntime {
   // `gemm`), makes XLA's stream wait for them, runs the finish kernel on XLA's stream (NaN into
   // the outputs if a wait of this rank gave up; epoch + 1) and records the workspace's done
   // event after it.
+  // `op` (OpCode): the call's op, named by the report of a peer's give-up (the error record).
   static std::string join(Stream s, Device* dev, const Partition* part, bool gemm, Workspace* ws,
-                          int rank, const Output& out) {
+                          int rank, const Output& out, int op) {
     if (part) {
       if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
       CK(cudaEventRecord(dev->comm_done, part->comm));
@@ -283,7 +284,7 @@ struct CudaRuntime {
     }
     ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
     CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype, s, false,
-                            out.data2, out.bytes2, err, ws->ordinals[rank], rank));
+                            out.data2, out.bytes2, err, ws->ordinals[rank], rank, nullptr, op));
     CK(record_done(ws->done[rank], s));
     return "";
   }

@@ -4,7 +4,8 @@
 // type: what the call touches comes from `Rt` (fused_call.h: CudaRuntime has the list).
 //
 // A handler decodes its buffers and attributes, then
-//   FusedCall c(kWhat, call);                     // op name, XLA's stream, device, attributes
+//   FusedCall c(kWhat, kOp, call);                // op name and code, XLA's stream, device,
+//                                                 // attributes
 //   if (auto e = c.check(); e.failure()) return e;  // (1) no CUDA: timeout, group table
 //   ... its own shape checks: return c.invalid("...") ...
 //   return c.run(spec, output, [&](FusedCall& c) -> std::string { the schedule });
@@ -132,8 +133,9 @@ class BasicFusedCall {
     bool exact = false;
   };
 
-  BasicFusedCall(const char* what, const Call& call, Rt rt = Rt())
-      : what_(what), call_(call), rt_(std::move(rt)) {}
+  // `op`: the op's code (OpCode, kernels/common.cuh), which the device's error records carry.
+  BasicFusedCall(const char* what, int op, const Call& call, Rt rt = Rt())
+      : what_(what), op_(op), call_(call), rt_(std::move(rt)) {}
   BasicFusedCall(const BasicFusedCall&) = delete;
   BasicFusedCall& operator=(const BasicFusedCall&) = delete;
 
@@ -193,11 +195,11 @@ class BasicFusedCall {
     gemm_ = gemm;
     return rt_.fork(call_.stream, dev_, streams_, gemm, spec_.uses, ws_, rank_);
   }
-  // XLA's stream waits for the streams forked, the finish kernel (NaN if a wait gave up), the
-  // workspace's done event.
+  // XLA's stream waits for the streams forked, the finish kernel (NaN if a wait gave up; a
+  // peer's give-up reported as a call of this op), the workspace's done event.
   std::string join() {
     joined_ = true;
-    return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_);
+    return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_, op_);
   }
 
  private:
@@ -254,6 +256,7 @@ class BasicFusedCall {
   }
 
   const char* what_;
+  int op_;
   Call call_;
   Rt rt_;
   Spec spec_{};

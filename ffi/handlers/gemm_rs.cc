@@ -36,7 +36,7 @@ ffi::Error GemmRs(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                  : "jaxoverlap.matmul_reduce_scatter (fused)";
   const int op_code = all_reduce ? kOpGemmAr : kOpGemmRs;
   ffi::AnyBuffer* out = &*res;
-  FusedCall fc(kWhat, call);
+  FusedCall fc(kWhat, op_code, call);
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n, comm_sms = call.attrs.comm_sms, chunks = call.attrs.chunks;
   RowGemm g;

@@ -35,7 +35,7 @@ std::string chunk_events(DeviceRuntime* dev, int count) {
 
 ffi::Error GemmRsCe(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
                     ffi::Result<ffi::AnyBuffer> out, int64_t w_colmajor) {
-  FusedCall fc(kWhat, call);  // comm_sms unused: the copy engine needs no SMs
+  FusedCall fc(kWhat, kOpGemmRs, call);  // comm_sms unused: the copy engine needs no SMs
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n, chunks = call.attrs.chunks;
   RowGemm g;

@@ -42,7 +42,7 @@ std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
 
 ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> out, int64_t w_colmajor, int64_t swizzle) {
-  FusedCall fc(kWhat, call);  // comm_sms and chunks unused: one kernel over the whole device
+  FusedCall fc(kWhat, kOpGemmRs, call);  // comm_sms, chunks unused: one kernel, whole device
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n;
   DType dtype;

@@ -17,7 +17,7 @@ namespace {
 constexpr const char* kWhat = "jaxoverlap.tma_reduce_scatter";
 
 ffi::Error Rs(const Call& call, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
-  FusedCall fc(kWhat, call);
+  FusedCall fc(kWhat, kOpReduceScatter, call);
   if (ffi::Error e = fc.check(); e.failure()) return e;
   const int64_t n = call.attrs.n, comm_sms = call.attrs.comm_sms, chunks = call.attrs.chunks;
   DType dtype;

@@ -385,14 +385,14 @@ __global__ void finish_kernel(Flags* local) { finish_epoch(local, local->epoch);
 
 // The finish kernel of a call with an output: if a wait of this rank gave up in this call (or
 // `force`: its host failed), or a peer process poisoned it (Flags::poison_from; reported in
-// `err` if given), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it cannot
+// `err` if given, as a call of `op`), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it cannot
 // pass for a result; then advance the epoch. One block: the common case costs what
 // finish_kernel costs.
 // `abort` (with `force`): raise the call's abort word first, by the epoch the device counted
 // (close_call, handlers/fused_call.h).
 __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
                                      int64_t elems2, uint16_t nan, int force, ErrorRecord* err,
-                                     int device, int rank, uint32_t* abort) {
+                                     int device, int rank, uint32_t* abort, int op) {
   const uint32_t epoch = local->epoch;
   if (force && abort && threadIdx.x == 0) {
     *(volatile uint32_t*)abort_word(abort, epoch + 1u) = epoch + 1u;
@@ -402,7 +402,7 @@ __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems,
   const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
   if (poisoned && err && threadIdx.x == 0) {
     if (volatile ErrorRecord* r = claim_error_record(err)) {
-      r->op = 0;
+      r->op = op;  // the call's op (OpCode), so the report names it
       r->what = kPeerGaveUp;
       r->device = device;
       r->rank = rank;
@@ -477,11 +477,12 @@ cudaError_t launch_release_slots(const Peers& peers, cudaStream_t stream) {
 
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
                                  cudaStream_t stream, bool force, void* out2, int64_t bytes2,
-                                 ErrorRecord* err, int device, int rank, uint32_t* abort) {
+                                 ErrorRecord* err, int device, int rank, uint32_t* abort,
+                                 int op) {
   const uint16_t nan = dtype == DType::kBF16 ? 0x7fc0u : 0x7e00u;
   finish_poison_kernel<<<1, 256, 0, stream>>>(local, static_cast<uint16_t*>(out), bytes / 2,
                                               static_cast<uint16_t*>(out2), out2 ? bytes2 / 2 : 0,
-                                              nan, force ? 1 : 0, err, device, rank, abort);
+                                              nan, force ? 1 : 0, err, device, rank, abort, op);
   return cudaGetLastError();
 }
 

@@ -75,7 +75,8 @@ cudaError_t launch_finish(Flags* local, cudaStream_t stream);
 // second output, if given) with NaN if a wait of this rank gave up in the current call
 // (Flags::gave_up), or always if `force`.
 // `err` (groups that span processes only): where to report a poisoning by a peer process
-// (Flags::poison_from), as device `device`, rank `rank`. `abort` (with `force`: a call given
+// (Flags::poison_from), as device `device`, rank `rank`, a call of `op` (OpCode, common.cuh; 0:
+// "a jaxoverlap fused call"). `abort` (with `force`: a call given
 // up by its host): the workspace's abort ring (Peers::abort), whose word of the call's epoch
 // target -- as the device counts it -- is raised first, so the peers' waits of this call give
 // up even when the host's call number is not the device's epoch (issue 26, R3: under XLA's
@@ -83,6 +84,6 @@ cudaError_t launch_finish(Flags* local, cudaStream_t stream);
 cudaError_t launch_finish_poison(Flags* local, void* out, int64_t bytes, DType dtype,
                                  cudaStream_t stream, bool force = false, void* out2 = nullptr,
                                  int64_t bytes2 = 0, ErrorRecord* err = nullptr, int device = -1,
-                                 int rank = -1, uint32_t* abort = nullptr);
+                                 int rank = -1, uint32_t* abort = nullptr, int op = 0);
 
 }  // namespace jaxoverlap

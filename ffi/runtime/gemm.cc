@@ -81,6 +81,14 @@ std::string GemmRunner::init() {
   // can be allocated under capture.
   if (cudaError_t e = cudaMalloc(&captured_workspace_, workspace_bytes_))
     return std::string("cudaMalloc of a cuBLASLt workspace failed: ") + cudaGetErrorString(e);
+  // The stream of the candidate timing's scratch allocations (time_candidates), created now:
+  // an ordinary stream of the device's primary context, never a green-context one.
+  if (cudaError_t e = cudaStreamCreateWithFlags(&scratch_stream_, cudaStreamNonBlocking))
+    return std::string("creating the GEMM search's scratch stream failed: ") +
+           cudaGetErrorString(e);
+  for (cudaEvent_t* ev : {&scratch_ready_, &scratch_used_})
+    if (cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming))
+      return std::string("cudaEventCreate failed: ") + cudaGetErrorString(e);
   cublasStatus_t s = cublasLtCreate(&handle_);
   if (s != CUBLAS_STATUS_SUCCESS) return lt_error("cublasLtCreate", s);
   return "";
@@ -302,6 +310,12 @@ std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const
   // its 256-byte-aligned base by the real pointer's alignment, filled with random values. All
   // stream-ordered (cudaMallocAsync/cudaFreeAsync): nothing here synchronises the device, only
   // this stream, which a handler has already ordered after the work its GEMMs depend on.
+  // Allocated and freed on the runner's scratch stream, an ordinary one, ordered before and
+  // after `stream` by events -- never on `stream` itself, which is the SM partition's GEMM stream
+  // (a green context's) when a fused call plans its GEMMs: compute-sanitizer 2025.3.1's
+  // initcheck crashed the process in its cuMemAllocAsync hook on a stream-ordered allocation on
+  // a green-context stream (issue 25; tools/probes/green_async_alloc_probe.cu reproduces it
+  // without our code; tests/gpu/test_gemm_search_gpu.py runs the search there under initcheck).
   const int64_t elt = 2;  // bf16 or f16
   const int64_t out_elt = s.f32_out ? 4 : elt;
   const int64_t a_elems = s.a_col ? (s.lda ? s.lda : s.m) * s.k : s.m * s.k;
@@ -320,15 +334,23 @@ std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const
     if (note.empty()) note = std::string(what) + ": " + cudaGetErrorString(e);
   };
   ms->assign(found, std::numeric_limits<float>::infinity());
+  if (!scratch_stream_) return "the GEMM runner is not initialised (no scratch stream)";
   if (!ws)
     if (std::string e = stream_workspace(stream, &ws); !e.empty()) return e;
   for (int i = 0; i < 4 && note.empty(); ++i) {
-    const int offset = aligns[i] >= 256 ? 0 : aligns[i];
-    if (cudaError_t e = cudaMallocAsync((void**)&base[i], sizes[i] + 256, stream)) {
+    if (cudaError_t e = cudaMallocAsync((void**)&base[i], sizes[i] + 256, scratch_stream_)) {
       fail("scratch allocation for timing GEMM candidates", e);
       base[i] = nullptr;
-      break;
     }
+  }
+  if (note.empty()) {  // `stream` uses the scratch only once it is allocated
+    if (cudaError_t e = cudaEventRecord(scratch_ready_, scratch_stream_))
+      fail("ordering the scratch allocations", e);
+    else if (cudaError_t e2 = cudaStreamWaitEvent(stream, scratch_ready_))
+      fail("ordering the scratch allocations", e2);
+  }
+  for (int i = 0; i < 4 && note.empty(); ++i) {
+    const int offset = aligns[i] >= 256 ? 0 : aligns[i];
     ptr[i] = base[i] + offset;
     const FillType t = i < 2 ? in_type : out_type;
     if (cudaError_t e = launch_fill_uniform(ptr[i], sizes[i] / (t == FillType::kF32 ? 4 : 2), t,
@@ -359,10 +381,18 @@ std::string GemmRunner::time_candidates(const Plan& p, const GemmShape& s, const
         (*ms)[i] = std::min((*ms)[i], t / kReps);
       }
     }
+  // Freed on the scratch stream once `stream` is done with the scratch (if recording the event
+  // failed, after synchronising `stream`: never freed under a launch still reading it).
+  if (cudaEventRecord(scratch_used_, stream) != cudaSuccess ||
+      cudaStreamWaitEvent(scratch_stream_, scratch_used_) != cudaSuccess) {
+    cudaGetLastError();
+    cudaStreamSynchronize(stream);
+  }
   for (char* b : base)
-    if (b) cudaFreeAsync(b, stream);
+    if (b) cudaFreeAsync(b, scratch_stream_);
   for (cudaEvent_t e : ev)
     if (e) cudaEventDestroy(e);
+  cudaGetLastError();
   if (note.empty() && !(ms->at(0) < std::numeric_limits<float>::infinity()))
     note = "the heuristic's first candidate failed to run on scratch operands";
   return note;

@@ -120,6 +120,10 @@ class GemmRunner {
   size_t workspace_bytes_ = 32u << 20;
   std::map<cudaStream_t, void*> workspaces_;  // per stream, allocated on first use
   void* captured_workspace_ = nullptr;        // GEMMs on XLA's streams under graph capture
+  // The candidate timing's scratch: allocated and freed on this ordinary stream, never on a
+  // green-context one (time_candidates); the events order it around the timing stream.
+  cudaStream_t scratch_stream_ = nullptr;
+  cudaEvent_t scratch_ready_ = nullptr, scratch_used_ = nullptr;
   std::map<std::tuple<decltype(GemmShape{}.key()), decltype(GemmAlign{}.key())>, Plan> plans_;
 };
 

@@ -406,7 +406,8 @@ def run_inverted(c, inverted, args, process, shards, want, jaxoverlap, timeout_s
     this process sees is the peer's give-up of the other call (call 4 of 2026-12-02). Judged on
     what holds in both: the deadlock showed (a NaN step-0 output in this process), every output
     step is all NaN or right (never wrong finite values), a `FusedCallError` naming one of the
-    program's ops or the peer's give-up, all within a few timeouts."""
+    program's ops (the peer's give-up names the op of the call it marked), all within a few
+    timeouts."""
     import jax
 
     t0 = time.time()
@@ -433,9 +434,9 @@ def run_inverted(c, inverted, args, process, shards, want, jaxoverlap, timeout_s
         error = e
     dt = time.time() - t0
     ops = ("jaxoverlap.matmul_reduce_scatter", "jaxoverlap.all_gather_matmul")
-    named = error is not None and (
-        any(op in str(error) for op in ops) or "given up by a peer process" in str(error)
-    )
+    # Both outcomes' errors name the op: a timeout its own call's, a peer's give-up the op of the
+    # call it marked (the finish kernel's record carries it since FusedCall's join passes it on).
+    named = error is not None and any(op in str(error) for op in ops)
     typed = isinstance(error, jaxoverlap.FusedCallError)
     # Outputs are None only if the program itself raised (then there are none to judge).
     values = outputs_ok is None or (outputs_ok and deadlocked)

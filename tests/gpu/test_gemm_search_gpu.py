@@ -6,8 +6,15 @@ fresh process: plans live as long as the process."""
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 from .scripts import run_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = """
 import json, sys
@@ -61,3 +68,48 @@ def test_search_off(gpus_any, tmp_path):
     assert plan["candidates"] == 1 and plan["chosen"] == 0, plan
     assert plan["note"] == "JAXOVERLAP_GEMM_SEARCH=0"
     assert os.listdir(tmp_path) == []
+
+
+# The search on the GEMM stream of a green-context SM partition (as a fused call's GEMMs plan
+# there), on the shape of tools/sanitize.py's small cases.
+GREEN = """
+import json
+from jaxoverlap import runtime
+sms, ms = runtime.native()._gemm_candidates(0, 1024, 512, 256, False, 16)
+print("RESULT " + json.dumps(dict(sms=sms, candidates=ms)))
+"""
+
+
+def test_search_on_a_green_context_stream_under_initcheck(gpus_any, tmp_path):
+    """Issue 25: compute-sanitizer 2025.3.1's initcheck crashed the process (SIGSEGV in its
+    cuMemAllocAsync hook) on a stream-ordered allocation on a green-context stream, which the
+    search made for its scratch operands on the partition's GEMM stream
+    (tools/probes/green_async_alloc_probe.cu reproduces the crash without our code). The scratch
+    now comes from an ordinary stream of the runner's (ffi/runtime/gemm.cc: time_candidates):
+    under initcheck the process must end normally, every candidate timed, with no finding outside
+    cuBLASLt's kernels (tools/sanitizer_exclude.txt)."""
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        if os.environ.get("JAXOVERLAP_REQUIRE_GPU") == "1":
+            pytest.fail("compute-sanitizer not found (JAXOVERLAP_REQUIRE_GPU=1)")
+        pytest.skip("compute-sanitizer not found")
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import sanitize
+
+    log = tmp_path / "initcheck.log"
+    # JAX on CPU: only the native module touches the GPU (fewer launches for the sanitizer).
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAXOVERLAP_GEMM_SEARCH": "1"}
+    cmd = [exe, "--tool", "initcheck", "--log-file", str(log), sys.executable, "-c", GREEN]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    text = log.read_text() if log.exists() else ""
+    print(p.stdout[-2000:], p.stderr[-2000:], text[-3000:], sep="\n")
+    assert p.returncode == 0, f"exit {p.returncode} under initcheck"
+    result = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert result, "no result line"
+    r = json.loads(result[0].split(" ", 1)[1])
+    assert r["sms"] > 0 and len(r["candidates"]) > 1, r  # the partition's stream, a search
+    timed = [t for t in r["candidates"] if math.isfinite(t)]  # +inf: a candidate that failed
+    assert math.isfinite(r["candidates"][0]) and len(timed) > 1 and min(timed) > 0, r
+    assert "ERROR SUMMARY" in text, "initcheck wrote no summary"
+    ours, _, api = sanitize.classify(sanitize.findings(text), sanitize.exclusions())
+    assert not ours and not api, (ours[:5], api[:5])

@@ -25,6 +25,9 @@ struct Script {
   bool skip_join = false;  // a schedule that returns "" without join()
 };
 Script g_script;
+// The op code the fake handler gives its FusedCall: join() hands it to the runtime (the report of
+// a peer's give-up names the op through it).
+constexpr int kTestOp = 5;
 
 struct FakeError {
   int code = 0;
@@ -165,10 +168,10 @@ struct FakeRuntime {
     return "";
   }
   static std::string join(Stream s, Device*, const Partition* p, bool gemm, Workspace*, int rank,
-                          const Output& out) {
+                          const Output& out, int op) {
     log("join stream=" + std::to_string(s) + " streams=" + streams_name(p) + " gemm=" +
         std::to_string(gemm) + " rank=" + std::to_string(rank) + " out=" +
-        std::to_string(out.id));
+        std::to_string(out.id) + " op=" + std::to_string(op));
     return "";
   }
 };
@@ -190,7 +193,7 @@ void handler(int device, const Table& t, unsigned uses, const char* fail = nullp
                         /*run_id=*/1234}};
   FakeError result;
   {
-    FusedCall fc("jaxoverlap.test_op", call);
+    FusedCall fc("jaxoverlap.test_op", /*op=*/kTestOp, call);
     result = fc.check();
     if (!result.failure()) {
       log("handler checks rank=" + std::to_string(fc.rank()));
