@@ -39,6 +39,7 @@ struct EpilogueArgs {
   int32_t flag_cols;  // flags per 16-row slab of a block (one per kFlagCols columns)
   int32_t own_first;  // the first cluster tile of the own block in claim order (tile_sched.cuh)
   int32_t legacy_publish;  // tools only (TileRsArgs::legacy_publish)
+  int32_t claims;  // 1: the tiles come from ClaimScheduler (ping-pong: end_tile claims the next)
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -60,8 +61,9 @@ struct SlabAcc {
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
 // Ping-pong kernel (kPingpong): one warpgroup holds the whole 128-row tile, thread t (of 128)
 // the same for rows 64 h + ..., at i + h kTileN / 2: warp w owns slabs w and w + 4.
-template <class Element, int kTileN, bool kPingpong>
+template <class Element, int kTileN, bool kPingpong, int kClusterCtas = 1>
 class TileEpilogue {
+  using Sched = ClaimScheduler<kTileN, kClusterCtas, 1, kPingpong>;
   static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
   static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
@@ -178,6 +180,9 @@ class TileEpilogue {
           // Double-buffered staging: this call writes the parity that call e - 2 used.
           if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
             failed_ = true;
+          // The owner read the slot two calls ago with generic loads; the bulk stores below
+          // (the async proxy) overwrite it: order them after the acquire.
+          if (kBulkStore) asm volatile("fence.proxy.async.global;" ::: "memory");
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
@@ -218,14 +223,21 @@ class TileEpilogue {
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
   }
 
-  // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
-  // stores' reads of the warp's buffers (the CTA may exit), unless the warpgroup's next tile is
-  // known to be foreign (its MMA then hides the stores' landing; that tile's epilogue publishes
-  // and reuses the buffers after its waits). (legacy_publish adds only its full fence here.)
+  // The ping-pong kernel's end of each tile (its store_tail, before the epilogue order
+  // barrier's arrive): claim the warpgroup's next tile (Sched::claim_next), then publish now and
+  // drain the bulk stores' reads of the warp's buffers (the CTA may exit), unless that tile is
+  // foreign (its MMA then hides the stores' landing; its epilogue publishes and reuses the
+  // buffers after its waits). (legacy_publish adds only its full fence here.)
   CUTLASS_DEVICE void end_tile() {
-    if (kPingpong && !next_is_foreign(last_k_ + 2)) {
-      flush();
-      drain_reads();
+    if constexpr (kPingpong) {
+      const uint32_t k = last_k_ + 2;
+      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k,
+                                                       p_->mode == 2)
+                                   : -1;
+      if (t >= 0 ? t >= p_->own_first : !next_is_foreign(k)) {
+        flush();
+        drain_reads();
+      }
     }
   }
 
@@ -359,7 +371,7 @@ struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Op = TileEpilogue<Element, kTileN, kPingpong>;
+  using Op = TileEpilogue<Element, kTileN, kPingpong, kClusterM * kClusterN>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -405,6 +417,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
+    e.claims = 1;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;
@@ -414,6 +427,8 @@ struct TileKernel {
     args.hw_info.sm_count = a.sm_count;
     args.scheduler.raster_order =
         cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
+    if (kSchedExp == 3 || kSchedExp == 4)  // experiments: CUTLASS's mapping at our swizzle
+      args.scheduler.max_swizzle_size = a.swizzle > 0 ? a.swizzle : 1;
     Geometry& g = args.scheduler.g;
     g.local = a.peers.flags[a.peers.rank];
     g.stage = a.peers.stage[a.peers.rank];

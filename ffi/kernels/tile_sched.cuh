@@ -23,6 +23,15 @@ constexpr int kRing = 16;  // claimed tiles in flight per CTA (> mainloop stages
 // A consumer's sleeps while its tile is not in the claim ring yet: 64 ns, doubling up to this
 // (0: poll without sleeping).
 constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
+#ifndef JAXOVERLAP_TILE_SCHED_EXP
+#define JAXOVERLAP_TILE_SCHED_EXP 0
+#endif
+// Experiments only (issue 23's bisection of the ping-pong entries' gap to stock CUTLASS): 0 the
+// production claims; 2 every thread computes a static order through decode (cluster c takes
+// tiles c, c + clusters, ...: no atomics, no ring); 3 in mode 2 (plain) every thread computes
+// CUTLASS's own static mapping (its raster along N, swizzle), the production claims otherwise;
+// 4 CUTLASS's mapping always (plain mode only: own tiles would wait for later foreign ones).
+constexpr int kSchedExp = JAXOVERLAP_TILE_SCHED_EXP;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -134,6 +143,24 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     return fetch_next_work(w);
   }
 
+  // The ping-pong kernel's claim of the CTA's tile k >= 2, by the warpgroup that will run it,
+  // at the end of its epilogue of tile k - 2 (TileEpilogue::end_tile, every thread of the
+  // warpgroup; the leader CTA's first thread of it claims), before that epilogue's order-barrier
+  // arrive: tile k - 1 is in the ring by then (the other warpgroup claimed it at its end of tile
+  // k - 3, whose epilogue ran before this one; tile 1: the producer), so claims stay in counter
+  // order -- and the warpgroup knows its next tile while it decides whether to publish its
+  // flags now (a foreign next tile defers them). Returns the tile (every thread waits for the
+  // entry: the claimer takes an atomic's round trip; a cluster peer's leader is at the same
+  // tile), or -1 where tiles are not claimed (experiments).
+  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k, bool plain) {
+    if (kSchedExp == 2 || kSchedExp == 4 || (kSchedExp == 3 && plain)) return -1;
+    if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
+      wait_ring(k - 1, true);
+      publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
+    }
+    return wait_ring(k, true);
+  }
+
  private:
   // The k-th tile of this CTA. Tiles are claimed from the counter by the leader CTA and written
   // into every CTA's ring of the cluster; everyone else waits for the ring entry.
@@ -141,9 +168,9 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   //   others fetch tile k only after consuming tile k - 1, which that warp loaded) claims one
   //   ahead -- the atomic for tile k + 1 is issued as tile k is published.
   //   Ping-pong: the producer claims tiles 0 and 1; tile k >= 2 is claimed by the consumer
-  //   warpgroup that will run it (its first warp), when it asks for it after its epilogue of
-  //   tile k - 2 -- while the other warpgroup's MMA runs, a mainloop before the producer needs it
-  //   -- and only once tile k - 1 is in the ring (claims stay in counter order). The producer
+  //   warpgroup that will run it (claim_next), at the end of its epilogue of tile k - 2 --
+  //   while the other warpgroup's MMA runs, a mainloop before the producer needs it -- and only
+  //   once tile k - 1 is in the ring (claims stay in counter order). The producer
   //   then never waits for an atomic: its 40 registers spill the claimer's state, and the
   //   compiler's warp-aggregated atomicAdd consumes the result at once, so its claims stalled the
   //   loads for an atomic's round trip per tile (issue 23: 1.16-1.18x cuBLASLt as a plain GEMM,
@@ -156,7 +183,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // so no claimed foreign tile waits behind an own tile's wait (the ping-pong kernel runs its
   // warpgroups' epilogues in tile order).
   // Writes tile t as the CTA's k-th into every CTA's ring of the cluster.
-  CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
+  static CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
     const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
     const uint32_t local = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
     for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
@@ -168,7 +195,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   }
 
   // Waits for the CTA's tile k in the ring and returns it; `sleep`: back off between looks.
-  CUTLASS_DEVICE int32_t wait_ring(uint32_t k, bool sleep) const {
+  static CUTLASS_DEVICE int32_t wait_ring(uint32_t k, bool sleep) {
     const uint32_t slot = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
     uint64_t v;
     for (unsigned ns = 64;; ns = min(2 * ns, kRingSleepNs)) {
@@ -185,14 +212,13 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
     uint32_t* counter = &g_.local->claim[e_ & 1u];
     int32_t t = 0;
-    if (kPingpong && leader && k >= 2 && threadIdx.x >= 128 && threadIdx.x % 128 < 32) {
-      if (lane == 0) {  // the consumer warpgroup's claim of its next tile
-        wait_ring(k - 1, true);
-        t = (int32_t)atomicAdd(counter, 1u);
-        publish(k, t);
-      }
-      t = __shfl_sync(0xffffffffu, t, 0);
-    } else if (producer && leader && (!kPingpong || k == 0)) {
+    if constexpr (kSchedExp == 2) {
+      const Tile w = decode(static_tile(k));
+      if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);
+      return w;
+    }
+    if (kSchedExp == 4 || (kSchedExp == 3 && g_.plain)) return cutlass_tile(k);
+    if (producer && leader && (!kPingpong || k == 0)) {
       if (lane == 0) {
         if (k == 0) {
           *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
@@ -215,6 +241,22 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const Tile w = decode(t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
     return w;
+  }
+
+  // Experiments (kSchedExp 2): the CTA's k-th cluster tile in a static order (cluster c takes
+  // tiles c, c + clusters, ...): no atomics. Not deadlock-free with CTAs that never start.
+  CUTLASS_DEVICE int32_t static_tile(uint32_t k) const {
+    const int32_t cx = gridDim.x / kClusterM;
+    const int32_t c = (int32_t)(blockIdx.y / kClusterN) * cx + (int32_t)(blockIdx.x / kClusterM);
+    const int32_t clusters = cx * (int32_t)(gridDim.y / kClusterN) * (int32_t)gridDim.z;
+    return min(c + (int32_t)k * clusters, g_.total);
+  }
+  // Experiments (kSchedExp 3, 4): the CTA's k-th tile as CUTLASS's static persistent scheduler
+  // maps it (raster along N, the Base params' swizzle), natural block order.
+  CUTLASS_DEVICE Tile cutlass_tile(uint32_t k) const {
+    const uint64_t grid = (uint64_t)gridDim.x * gridDim.y * gridDim.z;
+    const uint64_t lin = (uint64_t)blockIdx.x + (uint64_t)blockIdx.y * gridDim.x + k * grid;
+    return Base::get_current_work_for_linear_idx(lin);
   }
 
   // An own tile's epilogue reads every peer's partial of it from this rank's staging. Each
