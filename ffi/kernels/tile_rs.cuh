@@ -384,7 +384,8 @@ struct TileKernel {
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-      std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>;
+      std::conditional_t<kSchedExp == 9, cutlass::gemm::PersistentScheduler,
+                         std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>>;
   static_assert(Mainloop::DispatchPolicy::Stages < kRing, "the claim ring must outlast the pipeline");
 
   static cudaError_t preload() {
@@ -417,7 +418,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
-    e.claims = 1;
+    e.claims = kSchedExp != 9;  // experiment 9: CUTLASS's scheduler (plain mode only)
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;
@@ -427,9 +428,9 @@ struct TileKernel {
     args.hw_info.sm_count = a.sm_count;
     args.scheduler.raster_order =
         cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
-    if (kSchedExp == 3 || kSchedExp == 4)  // experiments: CUTLASS's mapping at our swizzle
+    if (kSchedExp == 3 || kSchedExp == 4 || kSchedExp == 9)  // experiments: CUTLASS's mapping
       args.scheduler.max_swizzle_size = a.swizzle > 0 ? a.swizzle : 1;
-    Geometry& g = args.scheduler.g;
+    Geometry g{};
     g.local = a.peers.flags[a.peers.rank];
     g.stage = a.peers.stage[a.peers.rank];
     g.m = a.m;
@@ -444,6 +445,7 @@ struct TileKernel {
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
+    if constexpr (kSchedExp != 9) args.scheduler.g = g;
     return args;
   }
 
