@@ -231,9 +231,7 @@ class TileEpilogue {
   CUTLASS_DEVICE void end_tile() {
     if constexpr (kPingpong) {
       const uint32_t k = last_k_ + 2;
-      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k,
-                                                       p_->mode == 2)
-                                   : -1;
+      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k) : -1;
       if (t >= 0 ? t >= p_->own_first : !next_is_foreign(k)) {
         flush();
         drain_reads();
@@ -428,7 +426,7 @@ struct TileKernel {
     args.hw_info.sm_count = a.sm_count;
     args.scheduler.raster_order =
         cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
-    if (kSchedExp == 3 || kSchedExp == 4 || kSchedExp == 9)  // experiments: CUTLASS's mapping
+    if (kSchedExp == 4 || kSchedExp == 9)  // experiments: CUTLASS's mapping
       args.scheduler.max_swizzle_size = a.swizzle > 0 ? a.swizzle : 1;
     Geometry g{};
     g.local = a.peers.flags[a.peers.rank];

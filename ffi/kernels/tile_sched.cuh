@@ -28,9 +28,9 @@ constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
 #endif
 // Experiments only (issue 23's bisection of the ping-pong entries' gap to stock CUTLASS): 0 the
 // production claims; 2 every thread computes a static order through decode (cluster c takes
-// tiles c, c + clusters, ...: no atomics, no ring); 3 in mode 2 (plain) every thread computes
-// CUTLASS's own static mapping (its raster along N, swizzle), the production claims otherwise;
-// 4 CUTLASS's mapping always (plain mode only: own tiles would wait for later foreign ones).
+// tiles c, c + clusters, ...: no atomics, no ring); 4 every thread computes CUTLASS's own static
+// mapping (its raster along N, swizzle; plain mode only: own tiles would wait for later foreign
+// ones); 9 (tile_rs.cuh) CUTLASS's PersistentScheduler instead of this one (plain mode only).
 constexpr int kSchedExp = JAXOVERLAP_TILE_SCHED_EXP;
 
 // What the scheduler needs to order and hand out tiles.
@@ -82,7 +82,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // after the barrier before it uses the tile. (It holds the geometry's address in the
   // kernel's parameters, not the scheduler's: a pointer to the scheduler put the whole object in
   // local memory, 248 bytes of stack, loaded and stored around every tile.)
-  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1 && kSchedExp == 0;
   struct LazyTile : Tile {
     const Geometry* g = nullptr;  // set: tile k not claimed yet
     uint32_t k = 0;
@@ -161,8 +161,8 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // flags now (a foreign next tile defers them). Returns the tile (every thread waits for the
   // entry: the claimer takes an atomic's round trip; a cluster peer's leader is at the same
   // tile), or -1 where tiles are not claimed (experiments).
-  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k, bool plain) {
-    if (kSchedExp == 2 || kSchedExp == 4 || (kSchedExp == 3 && plain)) return -1;
+  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k) {
+    if (kSchedExp != 0) return -1;
     if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
       wait_ring(k - 1, true);
       publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
@@ -222,7 +222,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(g_, e_, w, threadIdx.x % 32);
       return w;
     }
-    if (kSchedExp == 4 || (kSchedExp == 3 && g_.plain)) return cutlass_tile(k);
+    if constexpr (kSchedExp == 4) return cutlass_tile(k);
     return claim(g_, k, e_, next_);
   }
 
@@ -267,7 +267,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const int32_t clusters = cx * (int32_t)(gridDim.y / kClusterN) * (int32_t)gridDim.z;
     return min(c + (int32_t)k * clusters, g_.total);
   }
-  // Experiments (kSchedExp 3, 4): the CTA's k-th tile as CUTLASS's static persistent scheduler
+  // Experiments (kSchedExp 4): the CTA's k-th tile as CUTLASS's static persistent scheduler
   // maps it (raster along N, the Base params' swizzle), natural block order.
   CUTLASS_DEVICE Tile cutlass_tile(uint32_t k) const {
     const uint64_t grid = (uint64_t)gridDim.x * gridDim.y * gridDim.z;

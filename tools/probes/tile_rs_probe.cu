@@ -7,7 +7,7 @@
 //          rank's block against an f32 reference and bitwise equal across calls; every menu
 //          entry, and ranks running different entries (the flag layout is the entry's own
 //          business: one flag per 16 x 128 piece whatever the tile).
-//   time FILE [--pick] [--plain] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
+//   time FILE [--pick] [--plain] [--swizzle S] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
 //          per line), one rank alone on all SMs, timed interleaved (BENCHMARKS.md) per shape:
 //          the reference = the GEMM runner's searched cuBLASLt plan (ffi/runtime/gemm.h; XLA's
 //          jnp.matmul is NOT timed here: the reference is cuBLASLt only), every entry as a plain
@@ -293,7 +293,7 @@ struct Problem {
   }
 };
 
-constexpr int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE
+int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE (time --swizzle S: another)
 
 double geomean(const std::vector<double>& v) {
   double s = 0;
@@ -411,6 +411,7 @@ int main(int argc, char** argv) {
   for (int i = 3; i < argc; ++i) {
     if (std::string(argv[i]) == "--pick") pick = true;
     if (std::string(argv[i]) == "--plain") plain_only = true;
+    if (std::string(argv[i]) == "--swizzle" && i + 1 < argc) kSwizzle = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
   }
   std::vector<Shape> shapes;
