@@ -153,6 +153,8 @@ class TileEpilogue {
     const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
     ++k_;
     last_k_ = k;
+    if (kPingpong && kClaimAtStart && a.claims)  // the claimer only; end_tile waits for it
+      Sched::claim_next(local, e_, k + 2, true, false);
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
@@ -231,7 +233,9 @@ class TileEpilogue {
   CUTLASS_DEVICE void end_tile() {
     if constexpr (kPingpong) {
       const uint32_t k = last_k_ + 2;
-      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k) : -1;
+      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k,
+                                                       !kClaimAtStart)
+                                   : -1;
       if (t >= 0 ? t >= p_->own_first : !next_is_foreign(k)) {
         flush();
         drain_reads();

@@ -32,6 +32,16 @@ constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
 // mapping (its raster along N, swizzle; plain mode only: own tiles would wait for later foreign
 // ones); 9 (tile_rs.cuh) CUTLASS's PersistentScheduler instead of this one (plain mode only).
 constexpr int kSchedExp = JAXOVERLAP_TILE_SCHED_EXP;
+#ifndef JAXOVERLAP_TILE_CLAIM_AT_START
+#define JAXOVERLAP_TILE_CLAIM_AT_START 0
+#endif
+// Ping-pong: 1 claims tile k + 2 at the start of the epilogue of tile k (0: at its end).
+constexpr bool kClaimAtStart = JAXOVERLAP_TILE_CLAIM_AT_START;
+#ifndef JAXOVERLAP_TILE_PRODUCER_SLEEP_NS
+#define JAXOVERLAP_TILE_PRODUCER_SLEEP_NS 0
+#endif
+// The ping-pong producer's sleeps while its next tile is not in the ring (0: it polls).
+constexpr unsigned kProducerSleepNs = JAXOVERLAP_TILE_PRODUCER_SLEEP_NS;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -161,13 +171,15 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // flags now (a foreign next tile defers them). Returns the tile (every thread waits for the
   // entry: the claimer takes an atomic's round trip; a cluster peer's leader is at the same
   // tile), or -1 where tiles are not claimed (experiments).
-  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k) {
+  // (claim: whether to claim; wait: whether to wait for the entry, else return -1.)
+  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k, bool claim = true,
+                                           bool wait = true) {
     if (kSchedExp != 0) return -1;
-    if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
+    if (claim && cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
       wait_ring(k - 1, true);
       publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
     }
-    return wait_ring(k, true);
+    return wait ? wait_ring(k, true) : -1;
   }
 
  private:
@@ -211,6 +223,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       asm volatile("ld.volatile.shared.b64 %0, [%1];" : "=l"(v) : "r"(slot) : "memory");
       if ((uint32_t)(v >> 32) == k + 1) return (int32_t)(uint32_t)v;
       if (kRingSleepNs > 0 && sleep) __nanosleep(ns);
+      if (kProducerSleepNs > 0 && !sleep) __nanosleep(kProducerSleepNs);
     }
   }
 
