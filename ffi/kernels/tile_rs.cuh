@@ -77,6 +77,8 @@ class TileEpilogue {
   // warpgroup's MMA, whose shared memory the lanes' stores would contend for.
 #ifdef JAXOVERLAP_TILE_BULK_STORE
   static constexpr bool kBulkStore = true;
+#elif defined(JAXOVERLAP_TILE_PP_LANE_STORES)  // tools: the ping-pong kernel with lanes' stores
+  static constexpr bool kBulkStore = false;
 #else
   static constexpr bool kBulkStore = kPingpong;
 #endif
@@ -153,8 +155,7 @@ class TileEpilogue {
     const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
     ++k_;
     last_k_ = k;
-    if (kPingpong && kClaimAtStart && a.claims)  // the claimer only; end_tile waits for it
-      Sched::claim_next(local, e_, k + 2, true, false);
+    if (kPingpong && a.claims) Sched::claim_next(local, e_, k + 2);  // the next, read at end_tile
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
@@ -226,17 +227,15 @@ class TileEpilogue {
   }
 
   // The ping-pong kernel's end of each tile (its store_tail, before the epilogue order
-  // barrier's arrive): claim the warpgroup's next tile (Sched::claim_next), then publish now and
-  // drain the bulk stores' reads of the warp's buffers (the CTA may exit), unless that tile is
-  // foreign (its MMA then hides the stores' landing; its epilogue publishes and reuses the
-  // buffers after its waits). (legacy_publish adds only its full fence here.)
+  // barrier's arrive): publish now and drain the bulk stores' reads of the warp's buffers (the
+  // CTA may exit), unless the warpgroup's next tile (claimed at this epilogue's start,
+  // Sched::claim_next) is foreign: its MMA then hides the stores' landing, and its epilogue
+  // publishes and reuses the buffers after its waits. (legacy_publish adds only its full fence
+  // here.)
   CUTLASS_DEVICE void end_tile() {
     if constexpr (kPingpong) {
       const uint32_t k = last_k_ + 2;
-      const int32_t t = p_->claims ? Sched::claim_next(p_->peers.flags[p_->peers.rank], e_, k,
-                                                       !kClaimAtStart)
-                                   : -1;
-      if (t >= 0 ? t >= p_->own_first : !next_is_foreign(k)) {
+      if (p_->claims ? Sched::next_tile(k) >= p_->own_first : !next_is_foreign(k)) {
         flush();
         drain_reads();
       }
@@ -386,8 +385,7 @@ struct TileKernel {
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-      std::conditional_t<kSchedExp == 9, cutlass::gemm::PersistentScheduler,
-                         std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>>;
+      std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>;
   static_assert(Mainloop::DispatchPolicy::Stages < kRing, "the claim ring must outlast the pipeline");
 
   static cudaError_t preload() {
@@ -420,7 +418,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
-    e.claims = kSchedExp != 9;  // experiment 9: CUTLASS's scheduler (plain mode only)
+    e.claims = 1;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;
@@ -430,9 +428,7 @@ struct TileKernel {
     args.hw_info.sm_count = a.sm_count;
     args.scheduler.raster_order =
         cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
-    if (kSchedExp == 4 || kSchedExp == 9)  // experiments: CUTLASS's mapping
-      args.scheduler.max_swizzle_size = a.swizzle > 0 ? a.swizzle : 1;
-    Geometry g{};
+    Geometry& g = args.scheduler.g;
     g.local = a.peers.flags[a.peers.rank];
     g.stage = a.peers.stage[a.peers.rank];
     g.m = a.m;
@@ -447,7 +443,6 @@ struct TileKernel {
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
     g.prefetch = a.mode != 2 && a.mode != 5;
-    if constexpr (kSchedExp != 9) args.scheduler.g = g;
     return args;
   }
 

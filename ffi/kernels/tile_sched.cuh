@@ -23,25 +23,6 @@ constexpr int kRing = 16;  // claimed tiles in flight per CTA (> mainloop stages
 // A consumer's sleeps while its tile is not in the claim ring yet: 64 ns, doubling up to this
 // (0: poll without sleeping).
 constexpr unsigned kRingSleepNs = JAXOVERLAP_TILE_RING_SLEEP_NS;
-#ifndef JAXOVERLAP_TILE_SCHED_EXP
-#define JAXOVERLAP_TILE_SCHED_EXP 0
-#endif
-// Experiments only (issue 23's bisection of the ping-pong entries' gap to stock CUTLASS): 0 the
-// production claims; 2 every thread computes a static order through decode (cluster c takes
-// tiles c, c + clusters, ...: no atomics, no ring); 4 every thread computes CUTLASS's own static
-// mapping (its raster along N, swizzle; plain mode only: own tiles would wait for later foreign
-// ones); 9 (tile_rs.cuh) CUTLASS's PersistentScheduler instead of this one (plain mode only).
-constexpr int kSchedExp = JAXOVERLAP_TILE_SCHED_EXP;
-#ifndef JAXOVERLAP_TILE_CLAIM_AT_START
-#define JAXOVERLAP_TILE_CLAIM_AT_START 0
-#endif
-// Ping-pong: 1 claims tile k + 2 at the start of the epilogue of tile k (0: at its end).
-constexpr bool kClaimAtStart = JAXOVERLAP_TILE_CLAIM_AT_START;
-#ifndef JAXOVERLAP_TILE_PRODUCER_SLEEP_NS
-#define JAXOVERLAP_TILE_PRODUCER_SLEEP_NS 0
-#endif
-// The ping-pong producer's sleeps while its next tile is not in the ring (0: it polls).
-constexpr unsigned kProducerSleepNs = JAXOVERLAP_TILE_PRODUCER_SLEEP_NS;
 
 // What the scheduler needs to order and hand out tiles.
 struct Geometry {
@@ -92,7 +73,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // after the barrier before it uses the tile. (It holds the geometry's address in the
   // kernel's parameters, not the scheduler's: a pointer to the scheduler put the whole object in
   // local memory, 248 bytes of stack, loaded and stored around every tile.)
-  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1 && kSchedExp == 0;
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
   struct LazyTile : Tile {
     const Geometry* g = nullptr;  // set: tile k not claimed yet
     uint32_t k = 0;
@@ -162,25 +143,22 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     return fetch_next_work(w);
   }
 
-  // The ping-pong kernel's claim of the CTA's tile k >= 2, by the warpgroup that will run it,
-  // at the end of its epilogue of tile k - 2 (TileEpilogue::end_tile, every thread of the
-  // warpgroup; the leader CTA's first thread of it claims), before that epilogue's order-barrier
-  // arrive: tile k - 1 is in the ring by then (the other warpgroup claimed it at its end of tile
-  // k - 3, whose epilogue ran before this one; tile 1: the producer), so claims stay in counter
-  // order -- and the warpgroup knows its next tile while it decides whether to publish its
-  // flags now (a foreign next tile defers them). Returns the tile (every thread waits for the
-  // entry: the claimer takes an atomic's round trip; a cluster peer's leader is at the same
-  // tile), or -1 where tiles are not claimed (experiments).
-  // (claim: whether to claim; wait: whether to wait for the entry, else return -1.)
-  static CUTLASS_DEVICE int32_t claim_next(Flags* local, uint32_t e, uint32_t k, bool claim = true,
-                                           bool wait = true) {
-    if (kSchedExp != 0) return -1;
-    if (claim && cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
+  // The ping-pong kernel's claim of the CTA's tile k >= 2, by the warpgroup that will run it:
+  // the leader CTA's first thread of the warpgroup claims it at the start of its epilogue of
+  // tile k - 2 (TileEpilogue::operator()), and every thread of the warpgroup reads it at that
+  // epilogue's end (end_tile, before the order barrier's arrive), where it decides whether to
+  // publish its flags now (a foreign next tile defers them; until 2026-12-02 the claim came
+  // after the arrive, so the entry was never there and every tile flushed). Tile k - 1 is in
+  // the ring at the claim: the other warpgroup claimed it at the start of its epilogue of tile
+  // k - 3, which ran before this one (tile 1: the producer), so claims stay in counter order.
+  static CUTLASS_DEVICE void claim_next(Flags* local, uint32_t e, uint32_t k) {
+    if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
       wait_ring(k - 1, true);
       publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
     }
-    return wait ? wait_ring(k, true) : -1;
   }
+  // The CTA's tile k once it is in the ring (a cluster peer's leader is at the same tile).
+  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) { return wait_ring(k, true); }
 
  private:
   // The k-th tile of this CTA. Tiles are claimed from the counter by the leader CTA and written
@@ -189,7 +167,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   //   others fetch tile k only after consuming tile k - 1, which that warp loaded) claims one
   //   ahead -- the atomic for tile k + 1 is issued as tile k is published.
   //   Ping-pong: the producer claims tiles 0 and 1; tile k >= 2 is claimed by the consumer
-  //   warpgroup that will run it (claim_next), at the end of its epilogue of tile k - 2 --
+  //   warpgroup that will run it (claim_next), at the start of its epilogue of tile k - 2 --
   //   while the other warpgroup's MMA runs, a mainloop before the producer needs it -- and only
   //   once tile k - 1 is in the ring (claims stay in counter order). The producer
   //   then never waits for an atomic: its 40 registers spill the claimer's state, and the
@@ -223,21 +201,11 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       asm volatile("ld.volatile.shared.b64 %0, [%1];" : "=l"(v) : "r"(slot) : "memory");
       if ((uint32_t)(v >> 32) == k + 1) return (int32_t)(uint32_t)v;
       if (kRingSleepNs > 0 && sleep) __nanosleep(ns);
-      if (kProducerSleepNs > 0 && !sleep) __nanosleep(kProducerSleepNs);
     }
   }
 
-  // The CTA's tile k: claim (below), or an experiment's static order.
-  CUTLASS_DEVICE Tile take(uint32_t k) {
-    if constexpr (kSchedExp == 2) {
-      if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
-      const Tile w = decode(g_, static_tile(k));
-      if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(g_, e_, w, threadIdx.x % 32);
-      return w;
-    }
-    if constexpr (kSchedExp == 4) return cutlass_tile(k);
-    return claim(g_, k, e_, next_);
-  }
+  // The CTA's tile k.
+  CUTLASS_DEVICE Tile take(uint32_t k) { return claim(g_, k, e_, next_); }
 
   // e: this call's epoch target (0: not read yet); next: the cooperative claimer's next tile.
   static CUTLASS_DEVICE Tile claim(const Geometry& g, uint32_t k, uint32_t& e, int32_t& next) {
@@ -270,22 +238,6 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const Tile w = decode(g, t);
     if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(g, e, w, lane);  // consumer warps
     return w;
-  }
-
-  // Experiments (kSchedExp 2): the CTA's k-th cluster tile in a static order (cluster c takes
-  // tiles c, c + clusters, ...): no atomics. Not deadlock-free with CTAs that never start.
-  CUTLASS_DEVICE int32_t static_tile(uint32_t k) const {
-    const int32_t cx = gridDim.x / kClusterM;
-    const int32_t c = (int32_t)(blockIdx.y / kClusterN) * cx + (int32_t)(blockIdx.x / kClusterM);
-    const int32_t clusters = cx * (int32_t)(gridDim.y / kClusterN) * (int32_t)gridDim.z;
-    return min(c + (int32_t)k * clusters, g_.total);
-  }
-  // Experiments (kSchedExp 4): the CTA's k-th tile as CUTLASS's static persistent scheduler
-  // maps it (raster along N, the Base params' swizzle), natural block order.
-  CUTLASS_DEVICE Tile cutlass_tile(uint32_t k) const {
-    const uint64_t grid = (uint64_t)gridDim.x * gridDim.y * gridDim.z;
-    const uint64_t lin = (uint64_t)blockIdx.x + (uint64_t)blockIdx.y * gridDim.x + k * grid;
-    return Base::get_current_work_for_linear_idx(lin);
   }
 
   // An own tile's epilogue reads every peer's partial of it from this rank's staging. Each

@@ -18,7 +18,8 @@
 //          fence per foreign slab and its flags always a tile late, as before issue 24).
 //          --pick: first a separate pass chooses each shape's entry with the production
 //          selection (tile_rs_choose, empty cache), then the interleaved run times the pick
-//          too. --plain: the reference and mode 2 only (an experimental scheduler that cannot
+//          too. --swizzle S: the entries at raster band S (default 8). --plain: the reference
+//          and mode 2 only (e.g. an experimental scheduler that cannot
 //          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
 //          shapes 2 M K N >= 1e11.
 //
