@@ -39,6 +39,7 @@ struct EpilogueArgs {
   int32_t flag_cols;  // flags per 16-row slab of a block (one per kFlagCols columns)
   int32_t own_first;  // the first cluster tile of the own block in claim order (tile_sched.cuh)
   int32_t legacy_publish;  // tools only (TileRsArgs::legacy_publish)
+  int32_t claims;  // 1: the tiles come from ClaimScheduler (ping-pong: end_tile claims the next)
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -60,8 +61,9 @@ struct SlabAcc {
 // 8 v2 + 2 (t % 4) + v0: each warp owns a 16-row slab, which is the unit of communication.
 // Ping-pong kernel (kPingpong): one warpgroup holds the whole 128-row tile, thread t (of 128)
 // the same for rows 64 h + ..., at i + h kTileN / 2: warp w owns slabs w and w + 4.
-template <class Element, int kTileN, bool kPingpong>
+template <class Element, int kTileN, bool kPingpong, int kClusterCtas = 1>
 class TileEpilogue {
+  using Sched = ClaimScheduler<kTileN, kClusterCtas, 1, kPingpong>;
   static_assert(kTileN % kFlagCols == 0, "a tile covers whole flag columns");
   static constexpr int kFlagsPerSlab = kTileN / kFlagCols;
   static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
@@ -75,6 +77,8 @@ class TileEpilogue {
   // warpgroup's MMA, whose shared memory the lanes' stores would contend for.
 #ifdef JAXOVERLAP_TILE_BULK_STORE
   static constexpr bool kBulkStore = true;
+#elif defined(JAXOVERLAP_TILE_PP_LANE_STORES)  // tools: the ping-pong kernel with lanes' stores
+  static constexpr bool kBulkStore = false;
 #else
   static constexpr bool kBulkStore = kPingpong;
 #endif
@@ -151,6 +155,7 @@ class TileEpilogue {
     const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
     ++k_;
     last_k_ = k;
+    if (kPingpong && a.claims) Sched::claim_next(local, e_, k + 2);  // the next, read at end_tile
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
@@ -178,6 +183,9 @@ class TileEpilogue {
           // Double-buffered staging: this call writes the parity that call e - 2 used.
           if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
             failed_ = true;
+          // The owner read the slot two calls ago with generic loads; the bulk stores below
+          // (the async proxy) overwrite it: order them after the acquire.
+          if (kBulkStore) asm volatile("fence.proxy.async.global;" ::: "memory");
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
@@ -218,14 +226,19 @@ class TileEpilogue {
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
   }
 
-  // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
-  // stores' reads of the warp's buffers (the CTA may exit), unless the warpgroup's next tile is
-  // known to be foreign (its MMA then hides the stores' landing; that tile's epilogue publishes
-  // and reuses the buffers after its waits). (legacy_publish adds only its full fence here.)
+  // The ping-pong kernel's end of each tile (its store_tail, before the epilogue order
+  // barrier's arrive): publish now and drain the bulk stores' reads of the warp's buffers (the
+  // CTA may exit), unless the warpgroup's next tile (claimed at this epilogue's start,
+  // Sched::claim_next) is foreign: its MMA then hides the stores' landing, and its epilogue
+  // publishes and reuses the buffers after its waits. (legacy_publish adds only its full fence
+  // here.)
   CUTLASS_DEVICE void end_tile() {
-    if (kPingpong && !next_is_foreign(last_k_ + 2)) {
-      flush();
-      drain_reads();
+    if constexpr (kPingpong) {
+      const uint32_t k = last_k_ + 2;
+      if (p_->claims ? Sched::next_tile(k) >= p_->own_first : !next_is_foreign(k)) {
+        flush();
+        drain_reads();
+      }
     }
   }
 
@@ -359,7 +372,7 @@ struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Op = TileEpilogue<Element, kTileN, kPingpong>;
+  using Op = TileEpilogue<Element, kTileN, kPingpong, kClusterM * kClusterN>;
   using Epilogue = TileCollective<Op>;
   using LayoutB =
       std::conditional_t<kWColMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -405,6 +418,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
+    e.claims = 1;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;

@@ -70,15 +70,20 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // The ping-pong kernel asks for its first tile before the cluster barrier, when a cluster
   // peer's ring may not be cleared yet (the claimer writes into it): with clusters of more than
   // one CTA its first tile is claimed lazily, at its first is_valid(), which every role asks
-  // after the barrier before it uses the tile.
+  // after the barrier before it uses the tile. (It holds the geometry's address in the
+  // kernel's parameters, not the scheduler's: a pointer to the scheduler put the whole object in
+  // local memory, 248 bytes of stack, loaded and stored around every tile.)
   static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
   struct LazyTile : Tile {
-    ClaimScheduler* first = nullptr;  // set: not claimed yet
+    const Geometry* g = nullptr;  // set: tile k not claimed yet
+    uint32_t k = 0;
     CUTLASS_DEVICE bool is_valid() {
-      if (first) {
-        ClaimScheduler* s = first;
-        first = nullptr;
-        static_cast<Tile&>(*this) = s->claim(s->k_);
+      if (g) {
+        const Geometry* gg = g;
+        g = nullptr;
+        uint32_t e = 0;
+        int32_t next = 0;
+        static_cast<Tile&>(*this) = claim(*gg, k, e, next);
       }
       return this->is_valid_tile;
     }
@@ -107,6 +112,8 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   }
   static bool can_implement(Arguments const& args) { return Base::can_implement(args); }
 
+  // p: the kernel's parameters (a __grid_constant__): the geometry is read there, not copied
+  // into every thread's registers.
   CUTLASS_DEVICE explicit ClaimScheduler(Params const& p) : Base(p), g_(p.g) {}
 
   // Tile k_ of the CTA: 0 at first, 1 for the ping-pong kernel's second warpgroup, which advances
@@ -114,25 +121,44 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     WorkTileInfo w{};
-    if constexpr (kLazyFirst)
-      w.first = this;
-    else
-      w = claim(k_);
+    if constexpr (kLazyFirst) {
+      w.g = &g_;
+      w.k = k_;
+    } else {
+      w = take(k_);
+    }
     return w;
   }
   // The cooperative kernel's interface: every role takes every tile.
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(claim(++k_), true); }
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) { return cute::make_tuple(take(++k_), true); }
   // The ping-pong kernel's: the producer advances by one, each consumer warpgroup by two.
   CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { k_ += count; }
   CUTLASS_DEVICE WorkTileInfo get_current_work() {
     WorkTileInfo w{};
-    static_cast<Tile&>(w) = claim(k_);
+    static_cast<Tile&>(w) = take(k_);
     return w;
   }
   template <class Pipeline, class PipelineState>
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, PipelineState) {
     return fetch_next_work(w);
   }
+
+  // The ping-pong kernel's claim of the CTA's tile k >= 2, by the warpgroup that will run it:
+  // the leader CTA's first thread of the warpgroup claims it at the start of its epilogue of
+  // tile k - 2 (TileEpilogue::operator()), and every thread of the warpgroup reads it at that
+  // epilogue's end (end_tile, before the order barrier's arrive), where it decides whether to
+  // publish its flags now (a foreign next tile defers them; until 2026-12-02 the claim came
+  // after the arrive, so the entry was never there and every tile flushed). Tile k - 1 is in
+  // the ring at the claim: the other warpgroup claimed it at the start of its epilogue of tile
+  // k - 3, which ran before this one (tile 1: the producer), so claims stay in counter order.
+  static CUTLASS_DEVICE void claim_next(Flags* local, uint32_t e, uint32_t k) {
+    if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
+      wait_ring(k - 1, true);
+      publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
+    }
+  }
+  // The CTA's tile k once it is in the ring (a cluster peer's leader is at the same tile).
+  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) { return wait_ring(k, true); }
 
  private:
   // The k-th tile of this CTA. Tiles are claimed from the counter by the leader CTA and written
@@ -141,9 +167,9 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   //   others fetch tile k only after consuming tile k - 1, which that warp loaded) claims one
   //   ahead -- the atomic for tile k + 1 is issued as tile k is published.
   //   Ping-pong: the producer claims tiles 0 and 1; tile k >= 2 is claimed by the consumer
-  //   warpgroup that will run it (its first warp), when it asks for it after its epilogue of
-  //   tile k - 2 -- while the other warpgroup's MMA runs, a mainloop before the producer needs it
-  //   -- and only once tile k - 1 is in the ring (claims stay in counter order). The producer
+  //   warpgroup that will run it (claim_next), at the start of its epilogue of tile k - 2 --
+  //   while the other warpgroup's MMA runs, a mainloop before the producer needs it -- and only
+  //   once tile k - 1 is in the ring (claims stay in counter order). The producer
   //   then never waits for an atomic: its 40 registers spill the claimer's state, and the
   //   compiler's warp-aggregated atomicAdd consumes the result at once, so its claims stalled the
   //   loads for an atomic's round trip per tile (issue 23: 1.16-1.18x cuBLASLt as a plain GEMM,
@@ -156,7 +182,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // so no claimed foreign tile waits behind an own tile's wait (the ping-pong kernel runs its
   // warpgroups' epilogues in tile order).
   // Writes tile t as the CTA's k-th into every CTA's ring of the cluster.
-  CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
+  static CUTLASS_DEVICE void publish(uint32_t k, int32_t t) {
     const uint64_t v = ((uint64_t)(k + 1) << 32) | (uint32_t)t;
     const uint32_t local = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
     for (uint32_t c = 0; c < (uint32_t)(kClusterM * kClusterN); ++c) {
@@ -168,7 +194,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   }
 
   // Waits for the CTA's tile k in the ring and returns it; `sleep`: back off between looks.
-  CUTLASS_DEVICE int32_t wait_ring(uint32_t k, bool sleep) const {
+  static CUTLASS_DEVICE int32_t wait_ring(uint32_t k, bool sleep) {
     const uint32_t slot = (uint32_t)__cvta_generic_to_shared(claim_ring() + k % kRing);
     uint64_t v;
     for (unsigned ns = 64;; ns = min(2 * ns, kRingSleepNs)) {
@@ -178,30 +204,27 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     }
   }
 
-  CUTLASS_DEVICE Tile claim(uint32_t k) {
+  // The CTA's tile k.
+  CUTLASS_DEVICE Tile take(uint32_t k) { return claim(g_, k, e_, next_); }
+
+  // e: this call's epoch target (0: not read yet); next: the cooperative claimer's next tile.
+  static CUTLASS_DEVICE Tile claim(const Geometry& g, uint32_t k, uint32_t& e, int32_t& next) {
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
     const bool leader = cute::block_rank_in_cluster() == 0;
-    if (e_ == 0) e_ = *(volatile uint32_t*)&g_.local->epoch + 1u;
-    uint32_t* counter = &g_.local->claim[e_ & 1u];
+    if (e == 0) e = *(volatile uint32_t*)&g.local->epoch + 1u;
+    uint32_t* counter = &g.local->claim[e & 1u];
     int32_t t = 0;
-    if (kPingpong && leader && k >= 2 && threadIdx.x >= 128 && threadIdx.x % 128 < 32) {
-      if (lane == 0) {  // the consumer warpgroup's claim of its next tile
-        wait_ring(k - 1, true);
-        t = (int32_t)atomicAdd(counter, 1u);
-        publish(k, t);
-      }
-      t = __shfl_sync(0xffffffffu, t, 0);
-    } else if (producer && leader && (!kPingpong || k == 0)) {
+    if (producer && leader && (!kPingpong || k == 0)) {
       if (lane == 0) {
         if (k == 0) {
-          *(volatile uint32_t*)&g_.local->claim[(e_ + 1u) & 1u] = 0;  // for the next call
-          next_ = (int32_t)atomicAdd(counter, 1u);
+          *(volatile uint32_t*)&g.local->claim[(e + 1u) & 1u] = 0;  // for the next call
+          next = (int32_t)atomicAdd(counter, 1u);
         }
-        t = next_;
-        next_ = (int32_t)atomicAdd(counter, 1u);  // ping-pong: tile 1
+        t = next;
+        next = (int32_t)atomicAdd(counter, 1u);  // ping-pong: tile 1
         publish(k, t);
-        if (kPingpong) publish(1, next_);
+        if (kPingpong) publish(1, next);
       }
       t = __shfl_sync(0xffffffffu, t, 0);
     } else {
@@ -212,8 +235,8 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       // producer warp polls: it needs the tile at once to issue its loads.)
       t = wait_ring(k, !producer);
     }
-    const Tile w = decode(t);
-    if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(w, lane);  // consumer warps
+    const Tile w = decode(g, t);
+    if (threadIdx.x >= 128 && w.is_valid()) prefetch_peer_slabs(g, e, w, lane);  // consumer warps
     return w;
   }
 
@@ -222,25 +245,26 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // slabs w and w + 4) into L2 when it learns the tile, a mainloop before its epilogue needs them (L2 is coherent with the peers' NVLink writes: data that lands later
   // updates the lines). Line prefetches, not bulk ones: those queue in the TMA unit ahead of the
   // mainloop's loads (measured: 11-18 % slower GEMMs).
-  CUTLASS_DEVICE void prefetch_peer_slabs(Tile w, int lane) const {
-    if (!g_.prefetch) return;
+  static CUTLASS_DEVICE void prefetch_peer_slabs(const Geometry& g, uint32_t e, Tile w,
+                                                 int lane) {
+    if (!g.prefetch) return;
     const int64_t row = (int64_t)w.M_idx * kTileM, col0 = (int64_t)w.N_idx * kTileN;
-    const int32_t j = (int32_t)(row / g_.m);
-    if (j != g_.rank || col0 >= g_.N) return;
-    const int64_t bytes = min((int64_t)kTileN, g_.N - col0) * 2;
-    const int64_t parity = (e_ & 1u) * g_.m * g_.N * 2;
+    const int32_t j = (int32_t)(row / g.m);
+    if (j != g.rank || col0 >= g.N) return;
+    const int64_t bytes = min((int64_t)kTileN, g.N - col0) * 2;
+    const int64_t parity = (e & 1u) * g.m * g.N * 2;
     constexpr int kSlabs = kPingpong ? 2 : 1;
     for (int q = 0; q < kSlabs; ++q) {
       // The warp's slab (each consumer warp prefetches one slab's worth per tile it learns).
       const int s = kPingpong ? (threadIdx.x % 128) / 32 + 4 * q : (threadIdx.x % 256) / 32;
-      for (int t = 1; t < g_.n; ++t) {
-        const char* base = g_.stage +
-                           stage_slot((g_.rank + t) % g_.n, g_.rank, g_.n) * g_.slot_bytes +
-                           parity + ((row - j * g_.m + 16 * s) * g_.N + col0) * 2;
+      for (int t = 1; t < g.n; ++t) {
+        const char* base = g.stage +
+                           stage_slot((g.rank + t) % g.n, g.rank, g.n) * g.slot_bytes +
+                           parity + ((row - j * g.m + 16 * s) * g.N + col0) * 2;
         for (int line = lane; line < 16 * 4; line += 32) {  // 16 rows x 4 lines of 128 bytes
           const int64_t off = (int64_t)(line % 4) * 128;
           if (off < bytes)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (line / 4) * g_.N * 2 + off));
+            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (line / 4) * g.N * 2 + off));
         }
       }
     }
@@ -248,21 +272,21 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
   // Cluster tile t -> this CTA's tile. Block-major in the order r+1, r+2, ..., r; within a
   // block, bands of `swizzle` cluster rows, column-major inside a band.
-  CUTLASS_DEVICE Tile decode(int32_t t) const {
-    if (t >= g_.total) return Tile::invalid_work_tile();
-    const int32_t per_block = g_.cluster_rows * g_.cluster_cols;
+  static CUTLASS_DEVICE Tile decode(const Geometry& g, int32_t t) {
+    if (t >= g.total) return Tile::invalid_work_tile();
+    const int32_t per_block = g.cluster_rows * g.cluster_cols;
     const int32_t vb = t / per_block, i = t - vb * per_block;
-    const int32_t band = i / (g_.swizzle * g_.cluster_cols);
-    const int32_t rows = min(g_.swizzle, g_.cluster_rows - band * g_.swizzle);
-    const int32_t ii = i - band * g_.swizzle * g_.cluster_cols;
-    const int32_t cm = band * g_.swizzle + ii % rows, cn = ii / rows;
-    const int32_t block = g_.plain ? vb : (vb + g_.rank + 1) % g_.n;
+    const int32_t band = i / (g.swizzle * g.cluster_cols);
+    const int32_t rows = min(g.swizzle, g.cluster_rows - band * g.swizzle);
+    const int32_t ii = i - band * g.swizzle * g.cluster_cols;
+    const int32_t cm = band * g.swizzle + ii % rows, cn = ii / rows;
+    const int32_t block = g.plain ? vb : (vb + g.rank + 1) % g.n;
     const dim3 c = cute::block_id_in_cluster();
-    const int32_t m_idx = (block * g_.cluster_rows + cm) * kClusterM + (int32_t)c.x;
+    const int32_t m_idx = (block * g.cluster_rows + cm) * kClusterM + (int32_t)c.x;
     return {m_idx, cn * kClusterN + (int32_t)c.y, 0, true};
   }
 
-  Geometry g_;
+  const Geometry& g_;  // in the kernel's parameters
   uint32_t k_ = 0;
   uint32_t e_ = 0;     // this call's epoch target (read at the first tile)
   int32_t next_ = 0;   // the claimer's next tile (its atomic may still be in flight)

@@ -7,7 +7,7 @@
 //          rank's block against an f32 reference and bitwise equal across calls; every menu
 //          entry, and ranks running different entries (the flag layout is the entry's own
 //          business: one flag per 16 x 128 piece whatever the tile).
-//   time FILE [--pick] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
+//   time FILE [--pick] [--plain] [--swizzle S] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
 //          per line), one rank alone on all SMs, timed interleaved (BENCHMARKS.md) per shape:
 //          the reference = the GEMM runner's searched cuBLASLt plan (ffi/runtime/gemm.h; XLA's
 //          jnp.matmul is NOT timed here: the reference is cuBLASLt only), every entry as a plain
@@ -18,7 +18,10 @@
 //          fence per foreign slab and its flags always a tile late, as before issue 24).
 //          --pick: first a separate pass chooses each shape's entry with the production
 //          selection (tile_rs_choose, empty cache), then the interleaved run times the pick
-//          too. Geomeans per set; judged shapes 2 M K N >= 1e11.
+//          too. --swizzle S: the entries at raster band S (default 8). --plain: the reference
+//          and mode 2 only (e.g. an experimental scheduler that cannot
+//          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
+//          shapes 2 M K N >= 1e11.
 //
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
@@ -291,7 +294,7 @@ struct Problem {
   }
 };
 
-constexpr int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE
+int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE (time --swizzle S: another)
 
 double geomean(const std::vector<double>& v) {
   double s = 0;
@@ -404,10 +407,12 @@ int main(int argc, char** argv) {
     if (p.err->set) std::printf("prod: a wait gave up\n");
     return 0;
   }
-  bool pick = false;
+  bool pick = false, plain_only = false;  // --plain: the reference and mode 2 only
   const char* json = nullptr;
   for (int i = 3; i < argc; ++i) {
     if (std::string(argv[i]) == "--pick") pick = true;
+    if (std::string(argv[i]) == "--plain") plain_only = true;
+    if (std::string(argv[i]) == "--swizzle" && i + 1 < argc) kSwizzle = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
   }
   std::vector<Shape> shapes;
@@ -504,9 +509,9 @@ int main(int argc, char** argv) {
     std::vector<std::function<void()>> fns = {
         [&] { lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); }};
     for (int e = 0; e < E; ++e) fns.push_back(tile(2, e, kSwizzle));
-    for (int e = 0; e < E; ++e) fns.push_back(tile(1, e, kSwizzle));
-    for (int e = 0; e < E; ++e) fns.push_back(tile(0, e, kSwizzle));
-    if (sh.picked) {
+    for (int e = 0; e < E && !plain_only; ++e) fns.push_back(tile(1, e, kSwizzle));
+    for (int e = 0; e < E && !plain_only; ++e) fns.push_back(tile(0, e, kSwizzle));
+    if (sh.picked && !plain_only) {
       fns.push_back(tile(2, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(1, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle));
@@ -537,13 +542,15 @@ int main(int argc, char** argv) {
                 sh.tp, (long long)sh.M, (long long)sh.K, (long long)sh.N, flop, ref,
                 100 * t[0].spread);
     for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + e].ms / ref);
+    // --plain: solo and prod print as the plain times (not timed)
+    const int so = plain_only ? 0 : E, po = plain_only ? 0 : 2 * E;
     std::printf(" | solo");
-    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + E + e].ms / ref);
+    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + so + e].ms / ref);
     std::printf(" | prod");
-    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + 2 * E + e].ms / ref);
+    for (int e = 0; e < E; ++e) std::printf(" %.3f", t[1 + po + e].ms / ref);
     std::printf(" | best plain %s %.3f", tile_rs_entry_name(best), t[1 + best].ms / ref);
     double pp = 0, ps = 0, pq = 0, pl = 0;
-    if (sh.picked) {
+    if (sh.picked && !plain_only) {
       pp = t[1 + 3 * E].ms / ref, ps = t[2 + 3 * E].ms / ref, pq = t[3 + 3 * E].ms / ref;
       pl = t[4 + 3 * E].ms / ref;
       std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f",
@@ -560,11 +567,11 @@ int main(int argc, char** argv) {
       g.plain_e.resize(E), g.prod_e.resize(E);
       for (int e = 0; e < E; ++e) {
         g.plain_e[e].push_back(t[1 + e].ms / ref);
-        g.prod_e[e].push_back(t[1 + 2 * E + e].ms / ref);
+        g.prod_e[e].push_back(t[1 + po + e].ms / ref);
       }
       g.best.push_back(t[1 + best].ms / ref);
       g.e0.push_back(t[1].ms / ref);
-      if (sh.picked) {
+      if (sh.picked && !plain_only) {
         g.pplain.push_back(pp), g.psolo.push_back(ps), g.pprod.push_back(pq);
         g.solo_plain.push_back(ps / pp), g.prod_plain.push_back(pq / pp);
         g.legacy_plain.push_back(pl / pp);
@@ -580,13 +587,13 @@ int main(int argc, char** argv) {
                    sh.picked ? tile_rs_entry_name(sh.pick.entry) : "",
                    sh.picked ? sh.pick.swizzle : 0,
                    sh.choose_s, ref);
-      if (sh.picked)
+      if (sh.picked && !plain_only)
         std::fprintf(jf, ", \"plain\": %.5f, \"solo\": %.5f, \"prod\": %.5f, \"prod-legacy\": %.5f",
                      t[1 + 3 * E].ms, t[2 + 3 * E].ms, t[3 + 3 * E].ms, t[4 + 3 * E].ms);
       for (int e = 0; e < E; ++e)
         std::fprintf(jf, ", \"plain:%s\": %.5f, \"solo:%s\": %.5f, \"prod:%s\": %.5f",
-                     tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + E + e].ms,
-                     tile_rs_entry_name(e), t[1 + 2 * E + e].ms);
+                     tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + so + e].ms,
+                     tile_rs_entry_name(e), t[1 + po + e].ms);
       std::fprintf(jf, "}}");
       std::fflush(jf);  // the rows so far survive a run cut short
       first_row = false;

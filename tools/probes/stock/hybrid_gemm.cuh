@@ -35,6 +35,7 @@ struct HybridGemm {
     args.problem_shape = o.problem_shape;
     args.mainloop = o.mainloop;
     args.epilogue = o.epilogue;
+    args.epilogue.a.claims = 0;  // CUTLASS's scheduler: the epilogue claims nothing
     args.hw_info = o.hw_info;
     args.scheduler.max_swizzle_size = p.swizzle;
     using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
