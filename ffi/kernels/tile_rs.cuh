@@ -80,6 +80,18 @@ class TileEpilogue {
 #endif
 
  public:
+  // The cooperative kernel's own tiles: the producer warpgroup's epilogue-load warp (CUTLASS's
+  // ProducerWarpRole::Epilogue, idle otherwise) checks the peers' flags and loads the first
+  // kUnitBufs units of every slab's peer data into the consumer warps' buffers while the tile's
+  // MMA runs (prefill); a consumer warp's epilogue finds them there and loads only the rest. The
+  // buffers change hands through two words per warp (epi_sync): the load warp fills a warp's
+  // buffers only after that warp's epilogue of the previous tile released them.
+  // (JAXOVERLAP_TILE_EPI_LOAD=0: the consumers load everything, as before; a probe build knob.)
+#ifndef JAXOVERLAP_TILE_EPI_LOAD
+#define JAXOVERLAP_TILE_EPI_LOAD 1
+#endif
+  static constexpr bool kEpiLoad = !kPingpong && !kBulkStore && JAXOVERLAP_TILE_EPI_LOAD != 0;
+
   using ElementOutput = Element;
   using ElementAccumulator = float;
   using ElementCompute = float;
@@ -126,11 +138,17 @@ class TileEpilogue {
   // fenced before the arrival, so no peer CTA's claim can be overwritten by the clearing. (The
   // ping-pong kernel constructs it after the arrival: its scheduler pipeline clears the ring,
   // tile_sched.cuh.)
+  // The epilogue-load words are cleared there too, by the producer warpgroup's warp 1 (which
+  // constructs it only then).
   CUTLASS_HOST_DEVICE explicit TileEpilogue(Params const& p) : p_(&p.a) {
 #if defined(__CUDA_ARCH__)
     if (!kPingpong && threadIdx.x < kRing) {
       claim_ring()[threadIdx.x] = 0;
       asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    }
+    if (kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + 2 * kTileSlabs) {
+      epi_sync()[threadIdx.x - 32] = 0;
+      asm volatile("fence.acq_rel.cta;" ::: "memory");
     }
 #endif
   }
@@ -153,7 +171,10 @@ class TileEpilogue {
     last_k_ = k;
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
-    if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
+    if (col0 >= a.N) {  // a cluster's CTA past the last column (clusters along N)
+      release_buffers(k, w, lane);
+      return;
+    }
     // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
     float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[kPingpong ? threadIdx.x / 32 - 4 : w];
     const int n = a.peers.n, r = a.peers.rank;
@@ -191,31 +212,59 @@ class TileEpilogue {
         continue;
       }
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
-      // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
-      // with the bounded wait.
-      if (a.mode == 0 && !failed_) {
-        if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
-          for (int t = 1; t < n; ++t) {
-            const int src = (r + t) % n;
-            char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-            for (int f = 0; f < nflags && !failed_; ++f) {
-              const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
-              if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
-                failed_ = true;
-            }
-          }
-        __syncwarp();  // every lane's loads after every lane's acquire
-      }
-      drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
+      int pre = 0;  // units the epilogue-load warp has put into the warp's buffers
+      if (kEpiLoad && summed > 0) pre = await_prefill(k, w, lane);
+      if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
+      drain_reads();  // the warp's buffers: no bulk store still reads them
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                      col0, a.N);
+                      col0, a.N, pre);
     }
+    release_buffers(k, w, lane);
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
+  }
+
+  // The epilogue-load warp's part of the CTA's next tile (TileCollective::load, every tile, in
+  // the consumers' order): for an own tile, per slab s, once consumer warp s has released its
+  // buffers (its epilogue of the previous tile is done), the peers' flags of the slab (the same
+  // bounded waits as the consumers'), then the first kUnitBufs units of its peer data by
+  // cp.async; when all have landed, each warp's word says so (and whether a wait gave up).
+  CUTLASS_DEVICE void prefill(int64_t m_idx, int64_t n_idx, int lane, char* smem) {
+    const EpilogueArgs& a = *p_;
+    const uint32_t k = k_++;
+    if (e_ == 0) e_ = *(volatile uint32_t*)&a.peers.flags[a.peers.rank]->epoch + 1u;
+    const int n = a.peers.n, r = a.peers.rank;
+    const int64_t row = m_idx * kTileM, col0 = n_idx * kTileN;
+    if (col0 >= a.N || n < 2 || a.mode == 2 || a.mode == 3 || a.mode == 4 || a.mode == 5) return;
+    const int j = (int)(row / a.m);
+    if (j != r) return;
+    const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
+    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    uint32_t* sync = epi_sync();
+    for (int s = 0; s < kTileSlabs; ++s) {
+      if (lane == 0)
+        for (unsigned ns = 32; (int32_t)(ld_acquire_cta(&sync[kTileSlabs + s]) - k) < 0;
+             ns = min(2 * ns, 256u))
+          __nanosleep(ns);
+      __syncwarp();
+      const int64_t brow = row - j * a.m + 16 * s;
+      const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
+      if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
+      float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
+      UnitLoader ld(a.peers.stage[r] + parity + (brow * a.N + col0) * 2, a.slot_bytes, n - 1, a.N,
+                    col0, kTileN, (uint32_t)__cvta_generic_to_shared(sm), lane);
+      for (int u = 0; u < kUnitBufs; ++u) ld.next();
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __threadfence_block();
+    __syncwarp();
+    if (lane == 0)
+      for (int s = 0; s < kTileSlabs; ++s)
+        st_release_cta(&sync[s], (k + 1u) | (failed_ ? 0x80000000u : 0u));
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
@@ -282,6 +331,55 @@ class TileEpilogue {
   }
   CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
+  // An own slab's peers' flags: one acquire per lane (all at once); only if one is not set yet,
+  // each in turn with the bounded wait. Then every lane's loads come after every lane's acquire.
+  CUTLASS_DEVICE void wait_own_flags(int64_t brow, int64_t col0, int64_t flag0, int nflags,
+                                     int lane) {
+    const EpilogueArgs& a = *p_;
+    const int n = a.peers.n, r = a.peers.rank;
+    if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
+      for (int t = 1; t < n; ++t) {
+        const int src = (r + t) % n;
+        char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+        for (int f = 0; f < nflags && !failed_; ++f) {
+          const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+          if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+            failed_ = true;
+        }
+      }
+    __syncwarp();
+  }
+
+  // The epilogue-load words (kEpiLoad): [s] the CTA's tile + 1 whose first units of slab s are in
+  // warp s's buffers (bit 31: a wait of the load warp gave up), [kTileSlabs + s] the tiles whose
+  // epilogue warp s has finished with its buffers.
+  CUTLASS_DEVICE static uint32_t* epi_sync() {
+    __shared__ uint32_t words[2 * kTileSlabs];
+    return words;
+  }
+
+  // Consumer warp w, own tile k: waits until the load warp's units of its slab are in its
+  // buffers; returns how many (kUnitBufs), and takes over a give-up of the load warp's waits.
+  CUTLASS_DEVICE int await_prefill(uint32_t k, int w, int lane) {
+    uint32_t v = 0;
+    if (lane == 0)
+      for (unsigned ns = 32; ((v = ld_acquire_cta(&epi_sync()[w])) & 0x7fffffffu) != k + 1u;
+           ns = min(2 * ns, 256u))
+        __nanosleep(ns);
+    v = __shfl_sync(0xffffffffu, v, 0);
+    __syncwarp();
+    if (v & 0x80000000u) failed_ = true;
+    return kUnitBufs;
+  }
+
+  // Consumer warp w is done with its buffers for tile k (the load warp may fill them).
+  CUTLASS_DEVICE void release_buffers(uint32_t k, int w, int lane) const {
+    if constexpr (kEpiLoad) {
+      __syncwarp();
+      if (lane == 0) st_release_cta(&epi_sync()[kTileSlabs + w], k + 1u);
+    }
+  }
+
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
   // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
   // would also wait for this warp's stores still in flight. `exact`: a value beyond the target
@@ -338,6 +436,16 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
   CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
                                      typename Base::TensorStorage& s)
       : Base(p, s) {}
+  // The cooperative kernel runs its epilogue-load warp for Op::prefill (TileEpilogue::kEpiLoad).
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return Op::kEpiLoad; }
+  template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE auto load(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
+                           ProblemShapeMNKL, CtaTileMNK, CtaCoordMNKL blk, TiledMma, int lane,
+                           typename Base::TensorStorage& s, int = -1) {
+    if constexpr (Op::kEpiLoad)
+      this->prefill(cute::get<0>(blk), cute::get<1>(blk), lane, reinterpret_cast<char*>(&s));
+    return ls;
+  }
   // Cooperative kernel: once, after the last tile. Ping-pong: after every tile.
   CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
                                  typename Base::StorePipeline, typename Base::StorePipelineState ss) {
@@ -367,7 +475,8 @@ struct TileKernel {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t))>,
+          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t) +
+                           2 * kTileSlabs * sizeof(uint32_t))>,
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
