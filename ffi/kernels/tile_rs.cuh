@@ -251,6 +251,7 @@ class TileEpilogue {
              ns = min(2 * ns, 256u))
           __nanosleep(ns);
       __syncwarp();
+      ld_acquire_cta(&sync[kTileSlabs + s]);  // every lane's writes after warp s's reads
       const int64_t brow = row - j * a.m + 16 * s;
       const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
       if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
@@ -258,6 +259,19 @@ class TileEpilogue {
       UnitLoader ld(a.peers.stage[r] + parity + (brow * a.N + col0) * 2, a.slot_bytes, n - 1, a.N,
                     col0, kTileN, (uint32_t)__cvta_generic_to_shared(sm), lane);
       for (int u = 0; u < kUnitBufs; ++u) ld.next();
+#if JAXOVERLAP_TILE_EPI_LOAD >= 2
+      // (probe variant) the rest of the slab's peer data into L2 now, a mainloop after the
+      // consumers' prefetch (tile_sched.cuh) and just before their epilogue loads it
+      const int64_t bytes = min((int64_t)kTileN, a.N - col0) * 2;
+      for (int t = 0; t < n - 1; ++t)
+        for (int line = lane; line < 16 * (kTileN / 64); line += 32) {
+          const int64_t off = (int64_t)(line % (kTileN / 64)) * 128;
+          if (off < bytes)
+            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
+                a.peers.stage[r] + t * a.slot_bytes + parity +
+                ((brow + line / (kTileN / 64)) * a.N + col0) * 2 + off));
+        }
+#endif
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __threadfence_block();
@@ -366,8 +380,8 @@ class TileEpilogue {
       for (unsigned ns = 32; ((v = ld_acquire_cta(&epi_sync()[w])) & 0x7fffffffu) != k + 1u;
            ns = min(2 * ns, 256u))
         __nanosleep(ns);
-    v = __shfl_sync(0xffffffffu, v, 0);
     __syncwarp();
+    v = ld_acquire_cta(&epi_sync()[w]);  // every lane's reads after the load warp's writes
     if (v & 0x80000000u) failed_ = true;
     return kUnitBufs;
   }
