@@ -80,17 +80,21 @@ class TileEpilogue {
 #endif
 
  public:
-  // The cooperative kernel's own tiles: the producer warpgroup's epilogue-load warp (CUTLASS's
-  // ProducerWarpRole::Epilogue, idle otherwise) checks the peers' flags and loads the first
-  // kUnitBufs units of every slab's peer data into the consumer warps' buffers while the tile's
-  // MMA runs (prefill); a consumer warp's epilogue finds them there and loads only the rest. The
-  // buffers change hands through two words per warp (epi_sync): the load warp fills a warp's
-  // buffers only after that warp's epilogue of the previous tile released them.
-  // (JAXOVERLAP_TILE_EPI_LOAD=0: the consumers load everything, as before; a probe build knob.)
+  // Own tiles: the producer warpgroup's epilogue-load warp (CUTLASS's ProducerWarpRole::Epilogue,
+  // idle otherwise) checks the peers' flags and loads the first kUnitBufs units of each slab's
+  // peer data into its consumer warp's buffers while the tile's MMA runs (prefill; ping-pong: the
+  // first of the warp's two slabs); the consumer warp's epilogue finds them there and loads only
+  // the rest. The buffers change hands through two words per warp (epi_sync): the load warp fills
+  // a warp's buffers only after that warp has released them (its epilogue of its previous tile
+  // done; ping-pong: and its bulk stores' reads drained, end_tile).
+  // (JAXOVERLAP_TILE_EPI_LOAD=0: the consumers load everything, as before; 3: the cooperative
+  // kernel only; probe build knobs.)
 #ifndef JAXOVERLAP_TILE_EPI_LOAD
 #define JAXOVERLAP_TILE_EPI_LOAD 1
 #endif
-  static constexpr bool kEpiLoad = !kPingpong && !kBulkStore && JAXOVERLAP_TILE_EPI_LOAD != 0;
+  static constexpr bool kEpiLoad = JAXOVERLAP_TILE_EPI_LOAD != 0 &&
+                                   (kPingpong ? JAXOVERLAP_TILE_EPI_LOAD != 3 : !kBulkStore);
+  static constexpr int kWarpsPerTile = kPingpong ? 4 : 8;  // consumer warps of one tile
 
   using ElementOutput = Element;
   using ElementAccumulator = float;
@@ -138,19 +142,22 @@ class TileEpilogue {
   // fenced before the arrival, so no peer CTA's claim can be overwritten by the clearing. (The
   // ping-pong kernel constructs it after the arrival: its scheduler pipeline clears the ring,
   // tile_sched.cuh.)
-  // The epilogue-load words are cleared there too, by the producer warpgroup's warp 1 (which
-  // constructs it only then).
   CUTLASS_HOST_DEVICE explicit TileEpilogue(Params const& p) : p_(&p.a) {
 #if defined(__CUDA_ARCH__)
     if (!kPingpong && threadIdx.x < kRing) {
       claim_ring()[threadIdx.x] = 0;
       asm volatile("fence.acq_rel.cluster;" ::: "memory");
     }
-    if (kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + 2 * kTileSlabs) {
-      epi_sync()[threadIdx.x - 32] = 0;
-      asm volatile("fence.acq_rel.cta;" ::: "memory");
-    }
 #endif
+  }
+
+  // The epilogue-load words (kEpiLoad): [b] the CTA's tile + 1 whose first units are in warp b's
+  // buffers (bit 31: a wait of the load warp gave up), [kTileSlabs + b] the CTA's tile + 1 after
+  // whose epilogue warp b released its buffers (b: the warp's buffer index, as in operator()).
+  // Cleared by EpiSyncPipeline before the kernel's cluster barrier.
+  CUTLASS_DEVICE static uint32_t* epi_sync() {
+    __shared__ uint32_t words[2 * kTileSlabs];
+    return words;
   }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
@@ -171,12 +178,13 @@ class TileEpilogue {
     last_k_ = k;
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
+    // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
+    const int b = kPingpong ? threadIdx.x / 32 - 4 : w;
     if (col0 >= a.N) {  // a cluster's CTA past the last column (clusters along N)
-      release_buffers(k, w, lane);
+      if (!kPingpong) release_buffers(k, b, lane);
       return;
     }
-    // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
-    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[kPingpong ? threadIdx.x / 32 - 4 : w];
+    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[b];
     const int n = a.peers.n, r = a.peers.rank;
     const int j = (int)(row / a.m);
     const int64_t block_bytes = a.m * a.N * 2;
@@ -214,14 +222,14 @@ class TileEpilogue {
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
       const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
       int pre = 0;  // units the epilogue-load warp has put into the warp's buffers
-      if (kEpiLoad && summed > 0) pre = await_prefill(k, w, lane);
+      if (kEpiLoad && summed > 0 && h == 0) pre = await_prefill(k, b, lane);
       if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
       drain_reads();  // the warp's buffers: no bulk store still reads them
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
                       col0, a.N, pre);
     }
-    release_buffers(k, w, lane);
+    if (!kPingpong) release_buffers(k, b, lane);
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
@@ -245,17 +253,21 @@ class TileEpilogue {
     const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
     uint32_t* sync = epi_sync();
-    for (int s = 0; s < kTileSlabs; ++s) {
-      if (lane == 0)
-        for (unsigned ns = 32; (int32_t)(ld_acquire_cta(&sync[kTileSlabs + s]) - k) < 0;
+    // Warp s of the tile's consumers (ping-pong: of warpgroup k % 2, buffer b) runs slab s; its
+    // buffers were last used for the CTA's tile k - 1 (ping-pong: k - 2, its warpgroup's).
+    const uint32_t prev = kPingpong ? 2u : 1u;
+    for (int s = 0; s < kWarpsPerTile; ++s) {
+      const int b = kPingpong ? 4 * (int)(k % 2) + s : s;
+      if (lane == 0 && k >= prev)
+        for (unsigned ns = 32; (int32_t)(ld_acquire_cta(&sync[kTileSlabs + b]) - (k - prev + 1)) < 0;
              ns = min(2 * ns, 256u))
           __nanosleep(ns);
       __syncwarp();
-      ld_acquire_cta(&sync[kTileSlabs + s]);  // every lane's writes after warp s's reads
+      ld_acquire_cta(&sync[kTileSlabs + b]);  // every lane's writes after warp b's reads
       const int64_t brow = row - j * a.m + 16 * s;
       const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
       if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
-      float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[s];
+      float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[b];
       UnitLoader ld(a.peers.stage[r] + parity + (brow * a.N + col0) * 2, a.slot_bytes, n - 1, a.N,
                     col0, kTileN, (uint32_t)__cvta_generic_to_shared(sm), lane);
       for (int u = 0; u < kUnitBufs; ++u) ld.next();
@@ -277,8 +289,9 @@ class TileEpilogue {
     __threadfence_block();
     __syncwarp();
     if (lane == 0)
-      for (int s = 0; s < kTileSlabs; ++s)
-        st_release_cta(&sync[s], (k + 1u) | (failed_ ? 0x80000000u : 0u));
+      for (int s = 0; s < kWarpsPerTile; ++s)
+        st_release_cta(&sync[kPingpong ? 4 * (k % 2) + s : s],
+                       (k + 1u) | (failed_ ? 0x80000000u : 0u));
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
@@ -289,6 +302,7 @@ class TileEpilogue {
     if (kPingpong && !next_is_foreign(last_k_ + 2)) {
       flush();
       drain_reads();
+      release_buffers(last_k_, threadIdx.x / 32 - 4, threadIdx.x % 32);  // (epilogue-load warp)
     }
   }
 
@@ -364,33 +378,26 @@ class TileEpilogue {
     __syncwarp();
   }
 
-  // The epilogue-load words (kEpiLoad): [s] the CTA's tile + 1 whose first units of slab s are in
-  // warp s's buffers (bit 31: a wait of the load warp gave up), [kTileSlabs + s] the tiles whose
-  // epilogue warp s has finished with its buffers.
-  CUTLASS_DEVICE static uint32_t* epi_sync() {
-    __shared__ uint32_t words[2 * kTileSlabs];
-    return words;
-  }
-
-  // Consumer warp w, own tile k: waits until the load warp's units of its slab are in its
-  // buffers; returns how many (kUnitBufs), and takes over a give-up of the load warp's waits.
-  CUTLASS_DEVICE int await_prefill(uint32_t k, int w, int lane) {
+  // Consumer warp b (its buffer index), own tile k: waits until the load warp's units of its
+  // (first) slab are in its buffers; returns how many (kUnitBufs), and takes over a give-up of
+  // the load warp's waits.
+  CUTLASS_DEVICE int await_prefill(uint32_t k, int b, int lane) {
     uint32_t v = 0;
     if (lane == 0)
-      for (unsigned ns = 32; ((v = ld_acquire_cta(&epi_sync()[w])) & 0x7fffffffu) != k + 1u;
+      for (unsigned ns = 32; ((v = ld_acquire_cta(&epi_sync()[b])) & 0x7fffffffu) != k + 1u;
            ns = min(2 * ns, 256u))
         __nanosleep(ns);
     __syncwarp();
-    v = ld_acquire_cta(&epi_sync()[w]);  // every lane's reads after the load warp's writes
+    v = ld_acquire_cta(&epi_sync()[b]);  // every lane's reads after the load warp's writes
     if (v & 0x80000000u) failed_ = true;
     return kUnitBufs;
   }
 
-  // Consumer warp w is done with its buffers for tile k (the load warp may fill them).
-  CUTLASS_DEVICE void release_buffers(uint32_t k, int w, int lane) const {
+  // Consumer warp b is done with its buffers for tile k (the load warp may fill them).
+  CUTLASS_DEVICE void release_buffers(uint32_t k, int b, int lane) const {
     if constexpr (kEpiLoad) {
       __syncwarp();
-      if (lane == 0) st_release_cta(&epi_sync()[kTileSlabs + w], k + 1u);
+      if (lane == 0) st_release_cta(&epi_sync()[kTileSlabs + b], k + 1u);
     }
   }
 
@@ -440,6 +447,23 @@ class TileEpilogue {
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
+// The epilogue's load pipeline as CUTLASS's kernels construct it (every thread, before the
+// cluster barrier): no stages; it clears the epilogue-load words (TileEpilogue::epi_sync) with the
+// producer warpgroup's warp 1, fenced like the claim ring's clearing.
+template <class Op>
+class EpiSyncPipeline : public cutlass::PipelineTransactionAsync<0> {
+  using Base = cutlass::PipelineTransactionAsync<0>;
+
+ public:
+  CUTLASS_DEVICE EpiSyncPipeline(typename Base::SharedStorage& s, typename Base::Params const& p)
+      : Base(s, p) {
+    if (Op::kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + 2 * kTileSlabs) {
+      Op::epi_sync()[threadIdx.x - 32] = 0;
+      asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    }
+  }
+};
+
 // CUTLASS's adapter of operator()-style epilogues, plus the last flag at the end of the loop.
 template <class Op>
 class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op> {
@@ -447,10 +471,11 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
 
  public:
   using Base::Base;
+  using LoadPipeline = EpiSyncPipeline<Op>;
   CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
                                      typename Base::TensorStorage& s)
       : Base(p, s) {}
-  // The cooperative kernel runs its epilogue-load warp for Op::prefill (TileEpilogue::kEpiLoad).
+  // The kernel runs its epilogue-load warp for Op::prefill (TileEpilogue::kEpiLoad).
   CUTLASS_DEVICE bool is_producer_load_needed() const { return Op::kEpiLoad; }
   template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class TiledMma>
   CUTLASS_DEVICE auto load(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
