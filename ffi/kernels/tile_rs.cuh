@@ -154,11 +154,13 @@ class TileEpilogue {
   // The epilogue-load words (kEpiLoad): [b] the CTA's tile + 1 whose first units are in warp b's
   // buffers (bit 31: a wait of the load warp gave up), [kTileSlabs + b] the CTA's tile + 1 after
   // whose epilogue warp b released its buffers (b: the warp's buffer index, as in operator()).
-  // Cleared by EpiSyncPipeline before the kernel's cluster barrier.
-  CUTLASS_DEVICE static uint32_t* epi_sync() {
-    __shared__ uint32_t words[2 * kTileSlabs];
-    return words;
-  }
+  // They live in the epilogue's load-pipeline storage (EpiSyncPipeline, which clears them before
+  // the kernel's cluster barrier; TileCollective hands them over with every tile), not in static
+  // shared memory: that sits before the kernel's dynamic storage, and 64 bytes more misaligned
+  // its TMA buffers (call 1 of 2026-12-02, 16:23: "misaligned address").
+  static constexpr int kSyncWords = 2 * kTileSlabs;
+  CUTLASS_DEVICE uint32_t* epi_sync() const { return words_; }
+  uint32_t* words_ = nullptr;  // set by TileCollective from the pipeline before each use
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -455,13 +457,18 @@ class EpiSyncPipeline : public cutlass::PipelineTransactionAsync<0> {
   using Base = cutlass::PipelineTransactionAsync<0>;
 
  public:
-  CUTLASS_DEVICE EpiSyncPipeline(typename Base::SharedStorage& s, typename Base::Params const& p)
-      : Base(s, p) {
-    if (Op::kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + 2 * kTileSlabs) {
-      Op::epi_sync()[threadIdx.x - 32] = 0;
+  struct SharedStorage {
+    typename Base::SharedStorage base;
+    uint32_t words[Op::kSyncWords];
+  };
+  CUTLASS_DEVICE EpiSyncPipeline(SharedStorage& s, typename Base::Params const& p)
+      : Base(s.base, p), words(s.words) {
+    if (Op::kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + Op::kSyncWords) {
+      words[threadIdx.x - 32] = 0;
       asm volatile("fence.acq_rel.cluster;" ::: "memory");
     }
   }
+  uint32_t* words;
 };
 
 // CUTLASS's adapter of operator()-style epilogues, plus the last flag at the end of the loop.
@@ -472,21 +479,33 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
  public:
   using Base::Base;
   using LoadPipeline = EpiSyncPipeline<Op>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
   CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
                                      typename Base::TensorStorage& s)
       : Base(p, s) {}
   // The kernel runs its epilogue-load warp for Op::prefill (TileEpilogue::kEpiLoad).
   CUTLASS_DEVICE bool is_producer_load_needed() const { return Op::kEpiLoad; }
   template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class TiledMma>
-  CUTLASS_DEVICE auto load(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
+  CUTLASS_DEVICE auto load(LoadPipeline pipe, typename Base::LoadPipelineState ls,
                            ProblemShapeMNKL, CtaTileMNK, CtaCoordMNKL blk, TiledMma, int lane,
                            typename Base::TensorStorage& s, int = -1) {
+    this->words_ = pipe.words;
     if constexpr (Op::kEpiLoad)
       this->prefill(cute::get<0>(blk), cute::get<1>(blk), lane, reinterpret_cast<char*>(&s));
     return ls;
   }
+  template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class AccEngine,
+            class AccLayout, class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline pipe, typename Base::LoadPipelineState ls,
+                            typename Base::StorePipeline sp, typename Base::StorePipelineState ss,
+                            ProblemShapeMNKL shape, CtaTileMNK tile, CtaCoordMNKL blk,
+                            cute::Tensor<AccEngine, AccLayout> acc, TiledMma mma, int thread_idx,
+                            typename Base::TensorStorage& s, int subtile = -1) {
+    this->words_ = pipe.words;
+    return Base::store(pipe, ls, sp, ss, shape, tile, blk, acc, mma, thread_idx, s, subtile);
+  }
   // Cooperative kernel: once, after the last tile. Ping-pong: after every tile.
-  CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, typename Base::LoadPipelineState ls,
                                  typename Base::StorePipeline, typename Base::StorePipelineState ss) {
     if constexpr (Op::kPerWarpgroupTiles)
       this->end_tile();
