@@ -183,7 +183,7 @@ class TileEpilogue {
     // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
     const int b = kPingpong ? threadIdx.x / 32 - 4 : w;
     if (col0 >= a.N) {  // a cluster's CTA past the last column (clusters along N)
-      if (!kPingpong) release_buffers(k, b, lane);
+      if (!kPingpong && prefills() && own_or_none(k + 1) != 0) release_buffers(k, b, lane);
       return;
     }
     float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[b];
@@ -231,7 +231,9 @@ class TileEpilogue {
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
                       col0, a.N, pre);
     }
-    if (!kPingpong) release_buffers(k, b, lane);
+    // The load warp waits for this release only before an own tile: none needed when the next
+    // tile is known to be foreign (the release's fence would wait for the slab's stores).
+    if (!kPingpong && prefills() && own_or_none(k + 1) != 0) release_buffers(k, b, lane);
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
@@ -249,7 +251,7 @@ class TileEpilogue {
     if (e_ == 0) e_ = *(volatile uint32_t*)&a.peers.flags[a.peers.rank]->epoch + 1u;
     const int n = a.peers.n, r = a.peers.rank;
     const int64_t row = m_idx * kTileM, col0 = n_idx * kTileN;
-    if (col0 >= a.N || n < 2 || a.mode == 2 || a.mode == 3 || a.mode == 4 || a.mode == 5) return;
+    if (col0 >= a.N || !prefills()) return;
     const int j = (int)(row / a.m);
     if (j != r) return;
     const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
@@ -304,7 +306,8 @@ class TileEpilogue {
     if (kPingpong && !next_is_foreign(last_k_ + 2)) {
       flush();
       drain_reads();
-      release_buffers(last_k_, threadIdx.x / 32 - 4, threadIdx.x % 32);  // (epilogue-load warp)
+      if (prefills())  // (the epilogue-load warp)
+        release_buffers(last_k_, threadIdx.x / 32 - 4, threadIdx.x % 32);
     }
   }
 
@@ -393,6 +396,12 @@ class TileEpilogue {
     v = ld_acquire_cta(&epi_sync()[b]);  // every lane's reads after the load warp's writes
     if (v & 0x80000000u) failed_ = true;
     return kUnitBufs;
+  }
+
+  // Whether the load warp prefills own tiles in this call (its modes, TileEpilogue::prefill).
+  CUTLASS_DEVICE bool prefills() const {
+    const int mode = p_->mode;
+    return kEpiLoad && p_->peers.n > 1 && (mode == 0 || mode == 1);
   }
 
   // Consumer warp b is done with its buffers for tile k (the load warp may fill them).
