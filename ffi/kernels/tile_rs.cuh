@@ -80,22 +80,6 @@ class TileEpilogue {
 #endif
 
  public:
-  // Own tiles: the producer warpgroup's epilogue-load warp (CUTLASS's ProducerWarpRole::Epilogue,
-  // idle otherwise) checks the peers' flags and loads the first kUnitBufs units of each slab's
-  // peer data into its consumer warp's buffers while the tile's MMA runs (prefill; ping-pong: the
-  // first of the warp's two slabs); the consumer warp's epilogue finds them there and loads only
-  // the rest. The buffers change hands through two words per warp (epi_sync): the load warp fills
-  // a warp's buffers only after that warp has released them (its epilogue of its previous tile
-  // done; ping-pong: and its bulk stores' reads drained, end_tile).
-  // (JAXOVERLAP_TILE_EPI_LOAD=0: the consumers load everything, as before; 3: the cooperative
-  // kernel only; probe build knobs.)
-#ifndef JAXOVERLAP_TILE_EPI_LOAD
-#define JAXOVERLAP_TILE_EPI_LOAD 1
-#endif
-  static constexpr bool kEpiLoad = JAXOVERLAP_TILE_EPI_LOAD != 0 &&
-                                   (kPingpong ? JAXOVERLAP_TILE_EPI_LOAD != 3 : !kBulkStore);
-  static constexpr int kWarpsPerTile = kPingpong ? 4 : 8;  // consumer warps of one tile
-
   using ElementOutput = Element;
   using ElementAccumulator = float;
   using ElementCompute = float;
@@ -151,17 +135,6 @@ class TileEpilogue {
 #endif
   }
 
-  // The epilogue-load words (kEpiLoad): [b] the CTA's tile + 1 whose first units are in warp b's
-  // buffers (bit 31: a wait of the load warp gave up), [kTileSlabs + b] the CTA's tile + 1 after
-  // whose epilogue warp b released its buffers (b: the warp's buffer index, as in operator()).
-  // They live in the epilogue's load-pipeline storage (EpiSyncPipeline, which clears them before
-  // the kernel's cluster barrier; TileCollective hands them over with every tile), not in static
-  // shared memory: that sits before the kernel's dynamic storage, and 64 bytes more misaligned
-  // its TMA buffers (call 1 of 2026-12-02, 16:23: "misaligned address").
-  static constexpr int kSyncWords = 2 * kTileSlabs;
-  CUTLASS_DEVICE uint32_t* epi_sync() const { return words_; }
-  uint32_t* words_ = nullptr;  // set by TileCollective from the pipeline before each use
-
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk,
@@ -180,13 +153,9 @@ class TileEpilogue {
     last_k_ = k;
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
+    if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)
     // The warp's shared rows (ping-pong: the two warpgroups' warps have their own).
-    const int b = kPingpong ? threadIdx.x / 32 - 4 : w;
-    if (col0 >= a.N) {  // a cluster's CTA past the last column (clusters along N)
-      if (!kPingpong && prefills() && own_or_none(k + 1) != 0) release_buffers(k, b, lane);
-      return;
-    }
-    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[b];
+    float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[kPingpong ? threadIdx.x / 32 - 4 : w];
     const int n = a.peers.n, r = a.peers.rank;
     const int j = (int)(row / a.m);
     const int64_t block_bytes = a.m * a.N * 2;
@@ -212,7 +181,7 @@ class TileEpilogue {
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
-        char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
+        char* dst = a.mode == 4 || a.mode == 6 ? a.out + ((row + 16 * s) * a.N + col0) * 2
                                 : dst_slot + parity + (brow * a.N + col0) * 2;
         store_slab(sacc, dst, sm, lane, col0);
         if (a.mode == 0 && r != a.stall_rank) {
@@ -222,80 +191,31 @@ class TileEpilogue {
         continue;
       }
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
-      const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
-      int pre = 0;  // units the epilogue-load warp has put into the warp's buffers
-      if (kEpiLoad && summed > 0 && h == 0) pre = await_prefill(k, b, lane);
-      if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
+      // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
+      // with the bounded wait.
+      if (a.mode == 0 && !failed_) {
+        if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
+          for (int t = 1; t < n; ++t) {
+            const int src = (r + t) % n;
+            char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
+            for (int f = 0; f < nflags && !failed_; ++f) {
+              const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
+              if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
+                failed_ = true;
+            }
+          }
+        __syncwarp();  // every lane's loads after every lane's acquire
+      }
       drain_reads();  // the warp's buffers: no bulk store still reads them
+      const int summed = a.mode == 3 || a.mode == 4 || a.mode == 6 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                      col0, a.N, pre);
+                      col0, a.N);
     }
-    // The load warp waits for this release only before an own tile: none needed when the next
-    // tile is known to be foreign (the release's fence would wait for the slab's stores).
-    if (!kPingpong && prefills() && own_or_none(k + 1) != 0) release_buffers(k, b, lane);
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
     // anyway) or there is none. Ping-pong: decided at the tile's end (end_tile).
     if (!kPingpong && !a.legacy_publish && next_is_own_or_none(k + 1)) flush();
-  }
-
-  // The epilogue-load warp's part of the CTA's next tile (TileCollective::load, every tile, in
-  // the consumers' order): for an own tile, per slab s, once consumer warp s has released its
-  // buffers (its epilogue of the previous tile is done), the peers' flags of the slab (the same
-  // bounded waits as the consumers'), then the first kUnitBufs units of its peer data by
-  // cp.async; when all have landed, each warp's word says so (and whether a wait gave up).
-  CUTLASS_DEVICE void prefill(int64_t m_idx, int64_t n_idx, int lane, char* smem) {
-    const EpilogueArgs& a = *p_;
-    const uint32_t k = k_++;
-    if (e_ == 0) e_ = *(volatile uint32_t*)&a.peers.flags[a.peers.rank]->epoch + 1u;
-    const int n = a.peers.n, r = a.peers.rank;
-    const int64_t row = m_idx * kTileM, col0 = n_idx * kTileN;
-    if (col0 >= a.N || !prefills()) return;
-    const int j = (int)(row / a.m);
-    if (j != r) return;
-    const int64_t parity = (e_ & 1u) * a.m * a.N * 2;
-    const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
-    uint32_t* sync = epi_sync();
-    // Warp s of the tile's consumers (ping-pong: of warpgroup k % 2, buffer b) runs slab s; its
-    // buffers were last used for the CTA's tile k - 1 (ping-pong: k - 2, its warpgroup's).
-    const uint32_t prev = kPingpong ? 2u : 1u;
-    for (int s = 0; s < kWarpsPerTile; ++s) {
-      const int b = kPingpong ? 4 * (int)(k % 2) + s : s;
-      if (lane == 0 && k >= prev)
-        for (unsigned ns = 32; (int32_t)(ld_acquire_cta(&sync[kTileSlabs + b]) - (k - prev + 1)) < 0;
-             ns = min(2 * ns, 256u))
-          __nanosleep(ns);
-      __syncwarp();
-      ld_acquire_cta(&sync[kTileSlabs + b]);  // every lane's writes after warp b's reads
-      const int64_t brow = row - j * a.m + 16 * s;
-      const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
-      if (a.mode == 0 && !failed_) wait_own_flags(brow, col0, flag0, nflags, lane);
-      float* sm = reinterpret_cast<SharedStorage*>(smem)->slab[b];
-      UnitLoader ld(a.peers.stage[r] + parity + (brow * a.N + col0) * 2, a.slot_bytes, n - 1, a.N,
-                    col0, kTileN, (uint32_t)__cvta_generic_to_shared(sm), lane);
-      for (int u = 0; u < kUnitBufs; ++u) ld.next();
-#if JAXOVERLAP_TILE_EPI_LOAD >= 2
-      // (probe variant) the rest of the slab's peer data into L2 now, a mainloop after the
-      // consumers' prefetch (tile_sched.cuh) and just before their epilogue loads it
-      const int64_t bytes = min((int64_t)kTileN, a.N - col0) * 2;
-      for (int t = 0; t < n - 1; ++t)
-        for (int line = lane; line < 16 * (kTileN / 64); line += 32) {
-          const int64_t off = (int64_t)(line % (kTileN / 64)) * 128;
-          if (off < bytes)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
-                a.peers.stage[r] + t * a.slot_bytes + parity +
-                ((brow + line / (kTileN / 64)) * a.N + col0) * 2 + off));
-        }
-#endif
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __threadfence_block();
-    __syncwarp();
-    if (lane == 0)
-      for (int s = 0; s < kWarpsPerTile; ++s)
-        st_release_cta(&sync[kPingpong ? 4 * (k % 2) + s : s],
-                       (k + 1u) | (failed_ ? 0x80000000u : 0u));
   }
 
   // The ping-pong kernel's end of each tile (its store_tail): publish now, and drain the bulk
@@ -306,8 +226,6 @@ class TileEpilogue {
     if (kPingpong && !next_is_foreign(last_k_ + 2)) {
       flush();
       drain_reads();
-      if (prefills())  // (the epilogue-load warp)
-        release_buffers(last_k_, threadIdx.x / 32 - 4, threadIdx.x % 32);
     }
   }
 
@@ -364,54 +282,6 @@ class TileEpilogue {
   }
   CUTLASS_DEVICE bool next_is_foreign(uint32_t k) const { return own_or_none(k) == 0; }
 
-  // An own slab's peers' flags: one acquire per lane (all at once); only if one is not set yet,
-  // each in turn with the bounded wait. Then every lane's loads come after every lane's acquire.
-  CUTLASS_DEVICE void wait_own_flags(int64_t brow, int64_t col0, int64_t flag0, int nflags,
-                                     int lane) {
-    const EpilogueArgs& a = *p_;
-    const int n = a.peers.n, r = a.peers.rank;
-    if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
-      for (int t = 1; t < n; ++t) {
-        const int src = (r + t) % n;
-        char* src_slot = a.peers.stage[r] + stage_slot(src, r, n) * a.slot_bytes;
-        for (int f = 0; f < nflags && !failed_; ++f) {
-          const uint32_t* flag = tile_slab_flags(src_slot, a.m, a.N) + flag0 + f;
-          if (!warp_wait(flag, e_, {a.op, kWaitTile, src, (int)(flag0 + f)}, lane, true))
-            failed_ = true;
-        }
-      }
-    __syncwarp();
-  }
-
-  // Consumer warp b (its buffer index), own tile k: waits until the load warp's units of its
-  // (first) slab are in its buffers; returns how many (kUnitBufs), and takes over a give-up of
-  // the load warp's waits.
-  CUTLASS_DEVICE int await_prefill(uint32_t k, int b, int lane) {
-    uint32_t v = 0;
-    if (lane == 0)
-      for (unsigned ns = 32; ((v = ld_acquire_cta(&epi_sync()[b])) & 0x7fffffffu) != k + 1u;
-           ns = min(2 * ns, 256u))
-        __nanosleep(ns);
-    __syncwarp();
-    v = ld_acquire_cta(&epi_sync()[b]);  // every lane's reads after the load warp's writes
-    if (v & 0x80000000u) failed_ = true;
-    return kUnitBufs;
-  }
-
-  // Whether the load warp prefills own tiles in this call (its modes, TileEpilogue::prefill).
-  CUTLASS_DEVICE bool prefills() const {
-    const int mode = p_->mode;
-    return kEpiLoad && p_->peers.n > 1 && (mode == 0 || mode == 1);
-  }
-
-  // Consumer warp b is done with its buffers for tile k (the load warp may fill them).
-  CUTLASS_DEVICE void release_buffers(uint32_t k, int b, int lane) const {
-    if constexpr (kEpiLoad) {
-      __syncwarp();
-      if (lane == 0) st_release_cta(&epi_sync()[kTileSlabs + b], k + 1u);
-    }
-  }
-
   // Lane 0 waits (bounded, wait_flag_inline); the warp learns the outcome and is ordered after
   // it. The common case -- the flag was set long ago -- is one acquire load: no fence, which
   // would also wait for this warp's stores still in flight. `exact`: a value beyond the target
@@ -458,28 +328,6 @@ class TileEpilogue {
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 
-// The epilogue's load pipeline as CUTLASS's kernels construct it (every thread, before the
-// cluster barrier): no stages; it clears the epilogue-load words (TileEpilogue::epi_sync) with the
-// producer warpgroup's warp 1, fenced like the claim ring's clearing.
-template <class Op>
-class EpiSyncPipeline : public cutlass::PipelineTransactionAsync<0> {
-  using Base = cutlass::PipelineTransactionAsync<0>;
-
- public:
-  struct SharedStorage {
-    typename Base::SharedStorage base;
-    uint32_t words[Op::kSyncWords];
-  };
-  CUTLASS_DEVICE EpiSyncPipeline(SharedStorage& s, typename Base::Params const& p)
-      : Base(s.base, p), words(s.words) {
-    if (Op::kEpiLoad && threadIdx.x >= 32 && threadIdx.x < 32 + Op::kSyncWords) {
-      words[threadIdx.x - 32] = 0;
-      asm volatile("fence.acq_rel.cluster;" ::: "memory");
-    }
-  }
-  uint32_t* words;
-};
-
 // CUTLASS's adapter of operator()-style epilogues, plus the last flag at the end of the loop.
 template <class Op>
 class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op> {
@@ -487,34 +335,11 @@ class TileCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarp
 
  public:
   using Base::Base;
-  using LoadPipeline = EpiSyncPipeline<Op>;
-  using PipelineStorage = typename LoadPipeline::SharedStorage;
   CUTLASS_HOST_DEVICE TileCollective(typename Op::Params const& p,
                                      typename Base::TensorStorage& s)
       : Base(p, s) {}
-  // The kernel runs its epilogue-load warp for Op::prefill (TileEpilogue::kEpiLoad).
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return Op::kEpiLoad; }
-  template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class TiledMma>
-  CUTLASS_DEVICE auto load(LoadPipeline pipe, typename Base::LoadPipelineState ls,
-                           ProblemShapeMNKL, CtaTileMNK, CtaCoordMNKL blk, TiledMma, int lane,
-                           typename Base::TensorStorage& s, int = -1) {
-    this->words_ = pipe.words;
-    if constexpr (Op::kEpiLoad)
-      this->prefill(cute::get<0>(blk), cute::get<1>(blk), lane, reinterpret_cast<char*>(&s));
-    return ls;
-  }
-  template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class AccEngine,
-            class AccLayout, class TiledMma>
-  CUTLASS_DEVICE auto store(LoadPipeline pipe, typename Base::LoadPipelineState ls,
-                            typename Base::StorePipeline sp, typename Base::StorePipelineState ss,
-                            ProblemShapeMNKL shape, CtaTileMNK tile, CtaCoordMNKL blk,
-                            cute::Tensor<AccEngine, AccLayout> acc, TiledMma mma, int thread_idx,
-                            typename Base::TensorStorage& s, int subtile = -1) {
-    this->words_ = pipe.words;
-    return Base::store(pipe, ls, sp, ss, shape, tile, blk, acc, mma, thread_idx, s, subtile);
-  }
   // Cooperative kernel: once, after the last tile. Ping-pong: after every tile.
-  CUTLASS_DEVICE auto store_tail(LoadPipeline, typename Base::LoadPipelineState ls,
+  CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline, typename Base::LoadPipelineState ls,
                                  typename Base::StorePipeline, typename Base::StorePipelineState ss) {
     if constexpr (Op::kPerWarpgroupTiles)
       this->end_tile();
@@ -542,8 +367,7 @@ struct TileKernel {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t) +
-                           2 * kTileSlabs * sizeof(uint32_t))>,
+          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t))>,
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
@@ -604,7 +428,7 @@ struct TileKernel {
     g.total = g.cluster_rows * n * g.cluster_cols;
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
-    g.prefetch = a.mode != 2 && a.mode != 5;
+    g.prefetch = a.mode != 2 && a.mode != 5 && a.mode != 6;
     return args;
   }
 

@@ -51,21 +51,6 @@ __device__ __forceinline__ uint32_t unit_off(int row, int piece) {  // byte offs
   return row * 64 + ((piece ^ ((row >> 1) & 3)) << 4);
 }
 
-// A shared-memory word between warps of the CTA (the epilogue-load warp and the consumers).
-__device__ __forceinline__ uint32_t ld_acquire_cta(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];"
-               : "=r"(v)
-               : "r"((uint32_t)__cvta_generic_to_shared(p))
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_cta(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(p)),
-               "r"(v)
-               : "memory");
-}
-
 // The loads of an own slab's peer units -- chunk c (32 columns) of source s, c-major, s in rank
 // order -- into a warp's unit buffers (unit u in buffer u % kUnitBufs): each next() loads one
 // (the lane's 32 bytes of its row, 16 at a time) and commits it as one cp.async group of every
@@ -75,11 +60,9 @@ struct UnitLoader {
   int64_t stride;
   uint32_t sbase;
   int count, chunks, lleft, row, piece, ic = 0, is = 0, iu = 0;
-  int skip;  // units already in the buffers (loaded by the epilogue-load warp): not loaded again
   CUTLASS_DEVICE UnitLoader(const char* src0, int64_t stride_, int count_, int64_t N,
-                            int64_t col0, int tile_n, uint32_t sbase_, int lane, int skip_ = 0)
-      : stride(stride_), sbase(sbase_), count(count_), row(lane >> 1), piece(2 * (lane & 1)),
-        skip(skip_) {
+                            int64_t col0, int tile_n, uint32_t sbase_, int lane)
+      : stride(stride_), sbase(sbase_), count(count_), row(lane >> 1), piece(2 * (lane & 1)) {
     const int64_t left = N - col0;  // the tile's columns inside the problem
     chunks = count > 0 ? (int)min((int64_t)(tile_n / 32), (left + 31) / 32) : 0;
     lleft = (int)min(left, (int64_t)tile_n) - 8 * piece;  // the lane's columns left
@@ -88,18 +71,15 @@ struct UnitLoader {
   CUTLASS_DEVICE void next() {
     if (ic < chunks) {
       const uint32_t buf = sbase + (iu % kUnitBufs) * kUnitBytes;
-      if (iu >= skip) {
-        if (32 * ic < lleft)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                           buf + unit_off(row, piece)),
-                       "l"(g)
-                       : "memory");
-        if (32 * ic + 8 < lleft)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                           buf + unit_off(row, piece + 1)),
-                       "l"(g + 16)
-                       : "memory");
-      }
+      if (32 * ic < lleft)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(buf + unit_off(row, piece)),
+                     "l"(g)
+                     : "memory");
+      if (32 * ic + 8 < lleft)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                         buf + unit_off(row, piece + 1)),
+                     "l"(g + 16)
+                     : "memory");
       ++iu;
       g += stride;
       if (++is == count) is = 0, ++ic, g += 64 - count * stride;
@@ -142,17 +122,16 @@ struct SlabIO {
   // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
   // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
   // so that each pair of lanes stores one row's 64 contiguous bytes.
-  // pre: the first units already in the buffers (the epilogue-load warp's, TileEpilogue::prefill).
   template <class Acc>
   CUTLASS_DEVICE static void sum_store(Acc& acc, const char* src0, int64_t stride, int count,
                                        char* dst, float* smf, int lane, int64_t col0,
-                                       int64_t N, int pre = 0) {
+                                       int64_t N) {
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     const int64_t left = N - col0;  // the tile's columns inside the problem
     const int chunks = (int)min((int64_t)(kTileN / 32), (left + 31) / 32);
     const int lrow = lane >> 1, lhalf = lane & 1;  // the lane's row and 32 bytes of a unit
     const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;  // ldmatrix rows
-    UnitLoader ld(src0, stride, count, N, col0, kTileN, sbase, lane, pre);
+    UnitLoader ld(src0, stride, count, N, col0, kTileN, sbase, lane);
     if (count > 0)
       for (int u = 0; u < kUnitBufs - 1; ++u) ld.next();
     int u = 0;
