@@ -189,7 +189,7 @@ class TileEpilogue {
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
-        char* dst = a.mode == 4 ? a.out + ((row + 16 * s) * a.N + col0) * 2
+        char* dst = a.mode == 4 || a.mode == 6 ? a.out + ((row + 16 * s) * a.N + col0) * 2
                                 : dst_slot + parity + (brow * a.N + col0) * 2;
         store_slab(sacc, dst, sm, lane, col0);
         if (a.mode == 0 && r != a.stall_rank) {
@@ -215,7 +215,7 @@ class TileEpilogue {
         __syncwarp();  // every lane's loads after every lane's acquire
       }
       drain_reads();  // the warp's buffers: no bulk store still reads them
-      const int summed = a.mode == 3 || a.mode == 4 ? 0 : n - 1;  // tools: no adds
+      const int summed = a.mode == 3 || a.mode == 4 || a.mode == 6 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
       Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
                       col0, a.N);
@@ -442,7 +442,7 @@ struct TileKernel {
     g.total = g.cluster_rows * n * g.cluster_cols;
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
-    g.prefetch = a.mode != 2 && a.mode != 5;
+    g.prefetch = a.mode != 2 && a.mode != 5 && a.mode != 6;
     return args;
   }
 

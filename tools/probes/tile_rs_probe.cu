@@ -23,6 +23,9 @@
 //          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
 //          shapes 2 M K N >= 1e11.
 //
+//          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4 and 6 (tile_rs.h; where solo's
+//          cost over plain sits), as "mode5:", "mode3:", "mode4:", "mode6:" keys of the JSON rows.
+//
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
 //
@@ -517,6 +520,14 @@ int main(int argc, char** argv) {
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1));  // the fence, a tile late
     }
+    // TILE_PROBE_DECOMP set: entry 0 also in modes 5 (plain in the fused op's block order), 3
+    // (solo without the own tiles' adds), 4 (3 with the foreign tiles into out) and 6 (4 without
+    // the own tiles' L2 prefetch): where solo's cost over plain sits (block order, staging stores,
+    // the own tiles' store path and prefetch, their peer loads and adds).
+    static constexpr int kDecompModes[] = {5, 3, 4, 6};
+    const size_t decomp = std::getenv("TILE_PROBE_DECOMP") ? fns.size() : 0;
+    if (decomp)
+      for (int mode : kDecompModes) fns.push_back(tile(mode, 0, kSwizzle));
     const auto t0 = std::chrono::steady_clock::now();
     // ~5 ms per round of a variant (the reference's time from one timed launch)
     cudaEvent_t a, b;
@@ -556,6 +567,9 @@ int main(int argc, char** argv) {
       std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f",
                   tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq, pl);
     }
+    if (decomp)
+      std::printf(" | e0 modes 5/3/4/6 %.3f %.3f %.3f %.3f", t[decomp].ms / ref,
+                  t[decomp + 1].ms / ref, t[decomp + 2].ms / ref, t[decomp + 3].ms / ref);
     std::printf(" | %.1f s\n",
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (p.err->set)
@@ -594,6 +608,10 @@ int main(int argc, char** argv) {
         std::fprintf(jf, ", \"plain:%s\": %.5f, \"solo:%s\": %.5f, \"prod:%s\": %.5f",
                      tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + so + e].ms,
                      tile_rs_entry_name(e), t[1 + po + e].ms);
+      if (decomp)
+        for (int i = 0; i < 4; ++i)
+          std::fprintf(jf, ", \"mode%d:%s\": %.5f", kDecompModes[i], tile_rs_entry_name(0),
+                       t[decomp + i].ms);
       std::fprintf(jf, "}}");
       std::fflush(jf);  // the rows so far survive a run cut short
       first_row = false;
