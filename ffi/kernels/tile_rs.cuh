@@ -179,7 +179,7 @@ class TileEpilogue {
       const int64_t flag0 = (brow / 16) * a.flag_cols + col0 / kFlagCols;
       if (j != r) {
         const int slot = stage_slot(r, j, n);
-        if (a.mode == 0 && !(freed_ & (1u << j))) {
+        if ((a.mode == 0 || a.mode == 7) && !(freed_ & (1u << j))) {
           // Double-buffered staging: this call writes the parity that call e - 2 used.
           if (!warp_wait(&local->slot_free[j], e_ - 2u, {a.op, kWaitSlotFree, j, -1}, lane, false))
             failed_ = true;
@@ -192,7 +192,7 @@ class TileEpilogue {
         char* dst = a.mode == 4 || a.mode == 6 ? a.out + ((row + 16 * s) * a.N + col0) * 2
                                 : dst_slot + parity + (brow * a.N + col0) * 2;
         store_slab(sacc, dst, sm, lane, col0);
-        if (a.mode == 0 && r != a.stall_rank) {
+        if ((a.mode == 0 || a.mode == 7) && r != a.stall_rank) {
           pending_[h] = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
           pending_n_ = nflags;
         }
@@ -201,7 +201,7 @@ class TileEpilogue {
       // The peers' slabs, in rank order after ours: source r + t sits in staging slot t - 1.
       // Their flags: one acquire per lane (all at once); only if one is not set yet, each in turn
       // with the bounded wait.
-      if (a.mode == 0 && !failed_) {
+      if ((a.mode == 0 || a.mode == 7) && !failed_) {
         if (!__all_sync(0xffffffffu, own_flags_set(brow, col0, nflags, lane)))
           for (int t = 1; t < n; ++t) {
             const int src = (r + t) % n;
@@ -442,7 +442,7 @@ struct TileKernel {
     g.total = g.cluster_rows * n * g.cluster_cols;
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
-    g.prefetch = a.mode != 2 && a.mode != 5 && a.mode != 6;
+    g.prefetch = a.mode < 5;  // not 5 and 6, not the tools' 7 and 8 (tile_rs.h)
     return args;
   }
 

@@ -23,8 +23,8 @@
 //          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
 //          shapes 2 M K N >= 1e11.
 //
-//          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4 and 6 (tile_rs.h; where solo's
-//          cost over plain sits), as "mode5:", "mode3:", "mode4:", "mode6:" keys of the JSON rows.
+//          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4, 6, 7 and 8 (tile_rs.h; where solo's
+//          cost over plain sits; 7, 8: prod, solo without the L2 prefetch), as "mode<k>:" JSON keys.
 //
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
@@ -522,9 +522,11 @@ int main(int argc, char** argv) {
     }
     // TILE_PROBE_DECOMP set: entry 0 also in modes 5 (plain in the fused op's block order), 3
     // (solo without the own tiles' adds), 4 (3 with the foreign tiles into out) and 6 (4 without
-    // the own tiles' L2 prefetch): where solo's cost over plain sits (block order, staging stores,
-    // the own tiles' store path and prefetch, their peer loads and adds).
-    static constexpr int kDecompModes[] = {5, 3, 4, 6};
+    // the own tiles' L2 prefetch), 7 and 8 (prod and solo without that prefetch): where solo's
+    // cost over plain sits (block order, staging stores, the own tiles' store path and prefetch,
+    // their peer loads and adds) and what the prefetch buys the fused op.
+    static constexpr int kDecompModes[] = {5, 3, 4, 6, 7, 8};
+    constexpr int kDecomp = sizeof(kDecompModes) / sizeof(kDecompModes[0]);
     const size_t decomp = std::getenv("TILE_PROBE_DECOMP") ? fns.size() : 0;
     if (decomp)
       for (int mode : kDecompModes) fns.push_back(tile(mode, 0, kSwizzle));
@@ -568,8 +570,8 @@ int main(int argc, char** argv) {
                   tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq, pl);
     }
     if (decomp)
-      std::printf(" | e0 modes 5/3/4/6 %.3f %.3f %.3f %.3f", t[decomp].ms / ref,
-                  t[decomp + 1].ms / ref, t[decomp + 2].ms / ref, t[decomp + 3].ms / ref);
+      for (int i = 0; i < kDecomp; ++i)
+        std::printf("%s%d %.3f", i ? " " : " | e0 mode", kDecompModes[i], t[decomp + i].ms / ref);
     std::printf(" | %.1f s\n",
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (p.err->set)
@@ -609,7 +611,7 @@ int main(int argc, char** argv) {
                      tile_rs_entry_name(e), t[1 + e].ms, tile_rs_entry_name(e), t[1 + so + e].ms,
                      tile_rs_entry_name(e), t[1 + po + e].ms);
       if (decomp)
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < kDecomp; ++i)
           std::fprintf(jf, ", \"mode%d:%s\": %.5f", kDecompModes[i], tile_rs_entry_name(0),
                        t[decomp + i].ms);
       std::fprintf(jf, "}}");
