@@ -231,3 +231,19 @@ def test_training_initcheck_leaves_xla_fusions_and_host_copies_unchecked(tmp_pat
     flags = " ".join(sanitize.TRAIN_INITCHECK_FLAGS)
     assert [flags in ln for ln in lines] == [True, True, False, False, False, False], lines
     assert "kns=_fusion" in flags and "--check-api-memory-access no" in flags
+
+
+def test_the_ce_sum_exclusion_names_its_two_reads():
+    """The copy-engine sum's initcheck exclusion names ce.cu's lines 141 (the own partial, a
+    cuBLASLt output) and 146 (the peers' blocks, another process's copy-engine writes): they must
+    still be those reads, and nothing else of the kernel nor another kind is excluded."""
+    lines = open(os.path.join(ROOT, "ffi", "kernels", "ce.cu")).read().splitlines()
+    assert "reinterpret_cast<const uint4*>(own)[v]" in lines[140], lines[140]
+    assert "reinterpret_cast<const uint4*>(blocks + b * stride)[v]" in lines[145], lines[145]
+    rules = sanitize.exclusions()
+    kernel = "jaxoverlap::<unnamed>::sum_blocks_kernel<__nv_bfloat16>(T1 *, const T1 *, long)"
+    read = "Uninitialized __global__ memory read of size 16 bytes"
+    hit = lambda where, kind=read: any(p.search(where, kind) for p, _ in rules)  # noqa: E731
+    assert hit(kernel + " @ ce.cu:141") and hit(kernel + " @ ce.cu:146")
+    assert not hit(kernel + " @ ce.cu:150") and not hit(kernel)
+    assert not hit(kernel + " @ ce.cu:141", "Invalid __global__ read of size 16 bytes")
