@@ -442,7 +442,9 @@ struct TileKernel {
     g.total = g.cluster_rows * n * g.cluster_cols;
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2;
-    g.prefetch = a.mode < 5;  // not 5 and 6, not the tools' 7 and 8 (tile_rs.h)
+    // The own tiles' L2 prefetch of their peer data: tools modes 7 and 8 only. Measured slower in
+    // the fused op (docs/tile-schedule.md, "The own tiles' L2 prefetch"): off in production.
+    g.prefetch = a.mode == 7 || a.mode == 8;
     return args;
   }
 

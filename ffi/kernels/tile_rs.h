@@ -43,8 +43,9 @@ struct TileRsArgs {
   // 0: the fused op. Tools only (tools/probes/tile_rs_probe.cu): 1 = no waits and no flags (the
   // GEMM and the epilogue's traffic alone); 2 = a plain GEMM of all n * m rows into out (the
   // kernel's GEMM floor); 3 = 1 without the own tiles' adds; 4 = 3 with the foreign tiles stored
-  // into out ([n * m, N]) too; 5 = 2 in the fused op's block order; 6 = 4 without the own tiles'
-  // L2 prefetch of their peer data (tile_sched.cuh); 7 = 0 and 8 = 1 without that prefetch.
+  // into out ([n * m, N]) too; 5 = 2 in the fused op's block order; 6 = 4 (before 2026-12-02's
+  // last call: 4 without the prefetch below); 7 = 0 and 8 = 1 with the own tiles' L2 prefetch of
+  // their peer data (tile_sched.cuh), which production no longer issues (measured slower).
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
   // Tools only: 1 = each foreign slab's flags published after a full system fence and always a

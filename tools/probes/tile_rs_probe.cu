@@ -24,7 +24,7 @@
 //          shapes 2 M K N >= 1e11.
 //
 //          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4, 6, 7 and 8 (tile_rs.h; where solo's
-//          cost over plain sits; 7, 8: prod, solo without the L2 prefetch), as "mode<k>:" JSON keys.
+//          cost over plain sits; 7, 8: prod, solo WITH the own tiles' L2 prefetch), as "mode<k>:" JSON keys.
 //
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
@@ -521,10 +521,10 @@ int main(int argc, char** argv) {
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1));  // the fence, a tile late
     }
     // TILE_PROBE_DECOMP set: entry 0 also in modes 5 (plain in the fused op's block order), 3
-    // (solo without the own tiles' adds), 4 (3 with the foreign tiles into out) and 6 (4 without
-    // the own tiles' L2 prefetch), 7 and 8 (prod and solo without that prefetch): where solo's
-    // cost over plain sits (block order, staging stores, the own tiles' store path and prefetch,
-    // their peer loads and adds) and what the prefetch buys the fused op.
+    // (solo without the own tiles' adds), 4 (3 with the foreign tiles into out), 6 (= 4 since
+    // production dropped the own tiles' L2 prefetch), 7 and 8 (prod and solo with that prefetch):
+    // where solo's cost over plain sits (block order, staging stores, the own tiles' store path,
+    // their peer loads and adds) and what the prefetch costs the fused op.
     static constexpr int kDecompModes[] = {5, 3, 4, 6, 7, 8};
     constexpr int kDecomp = sizeof(kDecompModes) / sizeof(kDecompModes[0]);
     const size_t decomp = std::getenv("TILE_PROBE_DECOMP") ? fns.size() : 0;
