@@ -111,7 +111,7 @@ def test_the_excluded_ring_functions_touch_only_the_ring():
     to one of them is not excluded unawares."""
     kernels = os.path.join(ROOT, "ffi", "kernels")
     sched = open(os.path.join(kernels, "tile_sched.cuh")).read()
-    epilogue = open(os.path.join(kernels, "tile_rs.cuh")).read()
+    epilogue = open(os.path.join(kernels, "tile_epilogue.cuh")).read()
     for text, name in ((sched, "publish"), (sched, "wait_ring"), (sched, "claim"),
                        (epilogue, "own_or_none")):  # fmt: skip
         body = _function_body(text, name)
