@@ -19,10 +19,10 @@ namespace {
 
 constexpr const char* kWhat = "jaxoverlap.matmul_reduce_scatter (fused, tile schedule)";
 
-// The menu entry (and swizzle) of this problem, timed at its first execution and published like
-// the GEMM plans (runtime/tile_menu.h: tile_rs_choose); under capture, timed on a side stream and
-// not published. Then only that entry's kernel is loaded (DESIGN.md decision 5: before a kernel
-// of ours spins).
+// The menu entry (its swizzle and epilogue variant) of this problem, timed at its first execution
+// and published like the GEMM plans (runtime/tile_menu.h: tile_rs_choose); under capture, timed
+// on a side stream and not published. Then only that entry's kernel is loaded (DESIGN.md
+// decision 5: before a kernel of ours spins).
 std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(stream, &cs);
@@ -33,7 +33,7 @@ std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
     TileChoice c;
     tile_rs_choose(*a, s, !capturing || side, !capturing, GemmRunner::get_cache_dir(), &c);
     if (side) cudaStreamSynchronize(s), cudaStreamDestroy(s);
-    a->entry = c.entry, a->swizzle = c.swizzle;
+    a->entry = c.entry, a->swizzle = c.swizzle, a->epi = c.epi;
     if (cudaError_t e = preload_tile_entry(c.entry, a->w_colmajor != 0))
       return std::string("loading the tile-fused GEMM kernel failed: ") + cudaGetErrorString(e);
     return "";

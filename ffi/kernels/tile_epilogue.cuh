@@ -25,6 +25,7 @@ struct EpilogueArgs {
   int32_t own_first;  // the first cluster tile of the own block in claim order (tile_sched.cuh)
   int32_t legacy_publish;  // tools only (TileRsArgs::legacy_publish)
   int32_t claims;  // 1: the tiles come from ClaimScheduler (ping-pong: end_tile claims the next)
+  int32_t epi;     // TileRsArgs::epi (kTileEpi* bits)
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
@@ -55,18 +56,20 @@ class TileEpilogue {
   static constexpr int kThreads = kPingpong ? 128 : 256;  // the epilogue's threads per tile
   using Slab = SlabIO<Element, kTileN>;
   // Foreign and plain slabs leave by bulk async stores in the ping-pong kernel, by stores of the
-  // warp's lanes in the cooperative one (JAXOVERLAP_TILE_BULK_STORE=1: bulk there too, for
-  // timing): its epilogue issues a whole tile's bulk stores at once, 1,024 small copies per CTA
-  // that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256 plain
-  // GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
-  // warpgroup's MMA, whose shared memory the lanes' stores would contend for.
-#ifdef JAXOVERLAP_TILE_BULK_STORE
-  static constexpr bool kBulkStore = true;
-#elif defined(JAXOVERLAP_TILE_PP_LANE_STORES)  // tools: the ping-pong kernel with lanes' stores
-  static constexpr bool kBulkStore = false;
-#else
-  static constexpr bool kBulkStore = kPingpong;
-#endif
+  // warp's lanes in the cooperative one, by default; the launch's epi bits choose the other
+  // (both are in every kernel: a runtime choice, timed per problem by tile_rs_choose). The
+  // cooperative kernel's epilogue issues a whole tile's bulk stores at once, 1,024 small copies
+  // per CTA that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256
+  // plain GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
+  // warpgroup's MMA, whose shared memory the lanes' stores contend for -- but on short K its
+  // 512 bulk copies per tile cost more than the lanes' stores (prod ~10 % faster with those).
+  CUTLASS_DEVICE bool bulk() const {
+    return kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0;
+  }
+  // Tools (epi kTileEpiFlushPairs, cooperative only): foreign flags published every second tile.
+  CUTLASS_DEVICE bool flush_pairs() const {
+    return !kPingpong && (p_->epi & kTileEpiFlushPairs) != 0;
+  }
 
  public:
   using ElementOutput = Element;
@@ -135,7 +138,11 @@ class TileEpilogue {
     const int w = thread_idx / 32, lane = thread_idx % 32;
     Flags* local = a.peers.flags[a.peers.rank];
     if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
-    flush();
+    if (flush_pairs() && !pending_old_ && pending_[0]) {
+      pending_old_ = pending_[0], pending_old_n_ = pending_n_, pending_[0] = nullptr;
+    } else {
+      flush();
+    }
     // This CTA's k-th tile (ping-pong: warpgroup g runs tiles g, g + 2, ...).
     const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
     ++k_;
@@ -151,6 +158,8 @@ class TileEpilogue {
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    if (j == r && (a.epi & kTileEpiOwnPrefetch) && a.mode != 2 && a.mode != 5)
+      prefetch_own(row - j * a.m, col0, parity, lane, w);
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < kSlabsPerWarp; ++h) {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
@@ -170,7 +179,7 @@ class TileEpilogue {
             failed_ = true;
           // The owner read the slot two calls ago with generic loads; the bulk stores below
           // (the async proxy) overwrite it: order them after the acquire.
-          if (kBulkStore) asm volatile("fence.proxy.async.global;" ::: "memory");
+          if (bulk()) asm volatile("fence.proxy.async.global;" ::: "memory");
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
@@ -238,18 +247,20 @@ class TileEpilogue {
   // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
   // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
-    if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
-    if (kBulkStore) {
+    if (!pending_[0] && !pending_[kSlabsPerWarp - 1] && !pending_old_) return;
+    if (bulk()) {
       tma_wait_all();
       fence_proxy_async();
     }
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
+      for (int f = 0; pending_old_ && f < pending_old_n_; ++f) st_release_sys(pending_old_ + f, e_);
       for (int h = 0; h < kSlabsPerWarp; ++h)
         for (int f = 0; pending_[h] && f < pending_n_; ++f) st_release_sys(pending_[h] + f, e_);
     }
     for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
+    pending_old_ = nullptr;
   }
 
  private:
@@ -301,7 +312,7 @@ class TileEpilogue {
 
   template <class Acc>
   CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
-    if constexpr (kBulkStore)
+    if (bulk())
       Slab::store_bulk(acc, dst, smf, lane, col0, p_->N, chunk_);
     else
       Slab::store_lanes(acc, dst, smf, lane, col0, p_->N);
@@ -310,7 +321,27 @@ class TileEpilogue {
   // Every lane's bulk stores have read their shared buffers (before the warp writes them with
   // generic stores, and before the CTA exits).
   CUTLASS_DEVICE void drain_reads() const {
-    if (kBulkStore) Slab::drain_bulk_reads();
+    if (bulk()) Slab::drain_bulk_reads();
+  }
+
+  // Tools (epi kTileEpiOwnPrefetch): the warp's own slabs' peer data (rows brow0 + 16 s of the
+  // block, slab s = w + 4 h) pulled into L2 by line prefetches, every source at once, at the
+  // start of the epilogue that reads it: more of it in flight than the unit buffers hold.
+  CUTLASS_DEVICE void prefetch_own(int64_t brow0, int64_t col0, int64_t parity, int lane,
+                                   int w) const {
+    const EpilogueArgs& a = *p_;
+    constexpr int kLines = kTileN * 2 / 128;  // 128-byte lines per row of a slab
+    const int64_t bytes = min((int64_t)kTileN, a.N - col0) * 2;
+    for (int h = 0; h < kSlabsPerWarp; ++h) {
+      const char* base = a.peers.stage[a.peers.rank] + parity +
+                         ((brow0 + 16 * (w + 4 * h)) * a.N + col0) * 2;
+      for (int t = 1; t < a.peers.n; ++t, base += a.slot_bytes)
+        for (int line = lane; line < 16 * kLines; line += 32) {
+          const int64_t off = (int64_t)(line % kLines) * 128;
+          if (off < bytes)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (line / kLines) * a.N * 2 + off));
+        }
+    }
   }
 
   // The kernel's parameters (grid constants, alive for the whole kernel): read in place, not
@@ -321,6 +352,8 @@ class TileEpilogue {
   uint32_t last_k_ = 0;        // the CTA's index of this thread's last tile
   uint32_t* pending_[kSlabsPerWarp] = {};  // flags of the last foreign slabs, published later
   int pending_n_ = 0;
+  uint32_t* pending_old_ = nullptr;  // flush_pairs: the foreign slab's flags of the tile before
+  int pending_old_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call

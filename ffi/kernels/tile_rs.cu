@@ -39,12 +39,13 @@ namespace {
 // every entry per shape).
 struct Entry {
   const char* name;
+  int32_t alt_epi;  // the epilogue variant the selection also times (tile_rs_entry_alt_epi)
   TilePreload preload[2];  // [w_colmajor]
   TileCheck check[2];
   TileLaunch launch[2];
 };
-#define JAXOVERLAP_TILE_MENU_ENTRY(NAME, E) \
-  {NAME, {tile_rs_preload_##E##_wrow, tile_rs_preload_##E##_wcol}, \
+#define JAXOVERLAP_TILE_MENU_ENTRY(NAME, E, ALT) \
+  {NAME, ALT, {tile_rs_preload_##E##_wrow, tile_rs_preload_##E##_wcol}, \
    {tile_rs_check_##E##_wrow, tile_rs_check_##E##_wcol}, \
    {tile_rs_launch_##E##_wrow, tile_rs_launch_##E##_wcol}}
 // JAXOVERLAP_TILE_MENU_MASK (a build option for tuning runs: tools/probes/build_tile_rs_probe.sh's
@@ -56,28 +57,28 @@ struct Entry {
 const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(0)
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
-    JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c2x1", e0, 0),
 #endif
 #if JAXOVERLAP_TILE_IN(1)
     // No cluster: every SM runs a CTA (2x1 clusters leave a GPC's odd SM idle) and tiles are
     // claimed one by one.
-    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e1),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x256c1x1", e1, 0),
 #endif
 #if JAXOVERLAP_TILE_IN(2)
     // x's tile multicast along N: the footprint of entry 0 transposed (wide N, long K).
-    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e2),
+    JAXOVERLAP_TILE_MENU_ENTRY("128x128c1x2", e2, 0),
 #endif
 #if JAXOVERLAP_TILE_IN(3)
     // Ping-pong: each consumer warpgroup runs its own 128 x 128 tile, and one's epilogue (the
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
     // other's MMA (cuBLASLt's kernel on 8192 x 2048 x 4096 is a one-warpgroup-per-tile 128 x 160
     // one with a 2x1 cluster: nvjet_sm90_tst_128x160_64x5_2x1, ncu in docs/measurements.md).
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3, kTileEpiLaneStores),
 #endif
 #if JAXOVERLAP_TILE_IN(4)
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
     // tiles are ping-pong 128 x N, cluster 2x1).
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4, kTileEpiLaneStores),
 #endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
@@ -121,6 +122,10 @@ std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_
 }
 
 int tile_rs_menu_size() { return kMenuSize; }
+
+int32_t tile_rs_entry_alt_epi(int entry) {
+  return entry >= 0 && entry < kMenuSize ? kMenu[entry].alt_epi : 0;
+}
 
 const char* tile_rs_entry_name(int entry) {
   return entry >= 0 && entry < kMenuSize ? kMenu[entry].name : "?";

@@ -89,6 +89,7 @@ struct TileKernel {
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
     e.claims = 1;
+    e.epi = a.epi;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
     e.op = a.op;

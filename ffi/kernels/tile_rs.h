@@ -40,6 +40,8 @@ struct TileRsArgs {
   int32_t sm_count;    // CTAs of the persistent grid
   int32_t swizzle;     // cluster rows per raster band (L2 reuse of x within a band)
   int32_t entry;       // the menu entry (tile_rs_menu_size(); tile_rs_choose picks it)
+  int32_t epi;         // the epilogue's variant, kTileEpi* bits (0: the entry's default;
+                       // tile_rs_choose picks it with the entry)
   // 0: the fused op. Tools only (tools/probes/tile_rs_probe.cu): 1 = no waits and no flags (the
   // GEMM and the epilogue's traffic alone); 2 = a plain GEMM of all n * m rows into out (the
   // kernel's GEMM floor); 3 = 1 without the own tiles' adds; 4 = 3 with the foreign tiles stored
@@ -55,6 +57,20 @@ struct TileRsArgs {
   uint64_t timeout_ns;
   ErrorRecord* err;
 };
+
+// TileRsArgs::epi bits: runtime choices of the epilogue, every one in every entry's kernel (no
+// instantiation more); none changes a value or the protocol (ranks may run different ones).
+// LaneStores: a ping-pong entry's foreign (and plain) slabs leave by the lanes' stores, as the
+// cooperative kernel's do, instead of bulk async stores (faster prod on short K, slower plain on
+// long K: the selection times both). BulkStores: a cooperative entry's by bulk async stores.
+// Tools only (tools/probes/tile_rs_probe.cu, for timing): OwnPrefetch: an own slab's peer data
+// pulled into L2 (line prefetches) at the start of its epilogue; FlushPairs: the cooperative
+// kernel's foreign flags published every second foreign tile (at once before an own tile or
+// none).
+constexpr int32_t kTileEpiLaneStores = 1;
+constexpr int32_t kTileEpiBulkStores = 2;
+constexpr int32_t kTileEpiOwnPrefetch = 4;
+constexpr int32_t kTileEpiFlushPairs = 8;
 
 // Flags of one rank's block: one per 16 rows x kFlagCols columns (row-major over the block), the
 // same for every menu entry (a 256-column tile publishes and waits for two per slab), so the
@@ -75,6 +91,8 @@ std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_
 // The menu (tile_rs.cu): entries 0 .. tile_rs_menu_size() - 1, entry 0 the default.
 int tile_rs_menu_size();
 const char* tile_rs_entry_name(int entry);  // e.g. "128x256c2x1"
+// The epi bits the selection also times for an entry (its other store path; 0: none).
+int32_t tile_rs_entry_alt_epi(int entry);
 // Loads one entry's kernel on the current device and sets its shared-memory limit (outside any
 // capture; DESIGN.md decision 5: before a kernel of ours can spin). Idempotent, thread-safe.
 cudaError_t preload_tile_entry(int entry, bool w_colmajor);

@@ -57,7 +57,7 @@ std::string problem_text(const TileRsArgs& a) {
                     (int64_t)a.sm_count, (int64_t)a.swizzle})
     text += " " + std::to_string(v);
   for (int e = 0; e < tile_rs_menu_size(); ++e) text += std::string(" ") + tile_rs_entry_name(e);
-  return text;
+  return text + " epi";  // choices with an epilogue variant (older files lack it: not adopted)
 }
 
 std::string cache_path(const std::string& dir, const std::string& text) {
@@ -67,20 +67,22 @@ std::string cache_path(const std::string& dir, const std::string& text) {
   return dir + "/" + name;
 }
 
-// "<entry name> <swizzle> <ms> <ms of entry 0>\n"; false if absent or not of this menu.
+// "<entry name> <swizzle> <ms> <ms of entry 0> <epi>\n"; false if absent or not of this menu.
 bool read_choice(const std::string& path, TileChoice* c) {
   if (path.empty()) return false;
   FILE* f = std::fopen(path.c_str(), "r");
   if (!f) return false;
   char name[64] = {};
-  int swizzle = 0;
+  int swizzle = 0, epi = 0;
   float ms = 0, ms0 = 0;
-  const bool ok = std::fscanf(f, "%63s %d %f %f", name, &swizzle, &ms, &ms0) == 4;
+  const bool ok = std::fscanf(f, "%63s %d %f %f %d", name, &swizzle, &ms, &ms0, &epi) == 5;
   std::fclose(f);
-  if (!ok || swizzle < 1 || swizzle > 64) return false;
+  if (!ok || swizzle < 1 || swizzle > 64 || epi < 0) return false;
   for (int e = 0; e < tile_rs_menu_size(); ++e)
     if (std::string(name) == tile_rs_entry_name(e)) {
+      if (epi & ~(tile_rs_entry_alt_epi(e))) return false;  // not a variant this entry times
       c->entry = e, c->swizzle = swizzle, c->ms = ms, c->ms_default = ms0, c->timed = 0;
+      c->epi = epi;
       return true;
     }
   return false;
@@ -89,8 +91,8 @@ bool read_choice(const std::string& path, TileChoice* c) {
 // First writer wins, every process adopts the file (runtime/gemm.h: publish_once).
 bool publish_choice(const std::string& path, const TileChoice& c) {
   char text[128];
-  std::snprintf(text, sizeof(text), "%s %d %.6f %.6f\n", tile_rs_entry_name(c.entry), c.swizzle, c.ms,
-                c.ms_default);
+  std::snprintf(text, sizeof(text), "%s %d %.6f %.6f %d\n", tile_rs_entry_name(c.entry), c.swizzle,
+                c.ms, c.ms_default, c.epi);
   return publish_once(path, text);
 }
 
@@ -150,8 +152,8 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
   a.timeout_ns = std::min<uint64_t>(call.timeout_ns, 1000000000ull);
   // An entry that cannot launch the problem (can_implement, its cluster's occupancy) is not
   // launched: +inf. Pass 0 loads and warms up (one launch) and sets the launches per timing.
-  auto time_one = [&](int entry, int swizzle) -> float {
-    a.entry = entry, a.swizzle = swizzle;
+  auto time_one = [&](int entry, int swizzle, int epi) -> float {
+    a.entry = entry, a.swizzle = swizzle, a.epi = epi;
     float best = std::numeric_limits<float>::infinity();
     if (check_tile_entry(a) != cudaSuccess) {
       cudaGetLastError();
@@ -188,14 +190,17 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   if (note.empty()) {
-    // Every entry at the asked swizzle, then the bands of the two fastest (within the budget); a
-    // candidate must beat the one kept by 1 % (noise), so the default (entry 0, or the first
-    // that runs) stays unless another is clearly faster.
+    // Every entry at the asked swizzle (its default epilogue), then the two fastest with their
+    // other epilogue variant (tile_rs_entry_alt_epi: the other store path), then the bands of
+    // the two with their faster variant (within the budget); a candidate must beat the one kept
+    // by 1 % (noise), so the default (entry 0, or the first that runs) stays unless another is
+    // clearly faster.
     const float inf = std::numeric_limits<float>::infinity();
     std::vector<float> ms(tile_rs_menu_size());
+    std::vector<int> epi(tile_rs_menu_size(), 0);
     int first = -1, second = -1;
     for (int e = 0; e < tile_rs_menu_size() && note.empty(); ++e) {
-      ms[e] = time_one(e, call.swizzle);
+      ms[e] = time_one(e, call.swizzle, 0);
       ++out->timed;
       if (!(ms[e] < inf)) continue;
       if (first < 0) first = e;
@@ -206,12 +211,20 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     if (first >= 0) out->entry = first, out->swizzle = call.swizzle, out->ms = ms[first];
     out->ms_default = ms[0];
     for (int e : {first, second}) {
+      const int alt = e < 0 ? 0 : tile_rs_entry_alt_epi(e);
+      if (!alt || !note.empty()) continue;
+      const float t = time_one(e, call.swizzle, alt);
+      ++out->timed;
+      if (t < 0.99f * ms[e]) epi[e] = alt, ms[e] = t;
+      if (t < 0.99f * out->ms) out->entry = e, out->epi = alt, out->ms = t;
+    }
+    for (int e : {first, second}) {
       if (e < 0 || !note.empty()) continue;
       for (int sw : {1, 2, 4, 8, 16}) {
         if (sw == call.swizzle || !note.empty() || elapsed_s() > kTileBudgetS) continue;
-        const float t = time_one(e, sw);
+        const float t = time_one(e, sw, epi[e]);
         ++out->timed;
-        if (t < 0.99f * out->ms) out->entry = e, out->swizzle = sw, out->ms = t;
+        if (t < 0.99f * out->ms) out->entry = e, out->swizzle = sw, out->epi = epi[e], out->ms = t;
       }
     }
   }
@@ -250,7 +263,7 @@ std::string tile_rs_choose(const TileRsArgs& a, cudaStream_t stream, bool time_i
   } else {
     c.note = time_candidates(a, stream, &c);
     if (!c.note.empty()) {
-      c = TileChoice{0, a.swizzle, 0, 0, c.timed, c.note};  // the default, not published
+      c = TileChoice{0, a.swizzle, 0, 0, 0, c.timed, c.note};  // the default, not published
     } else if (!publish) {
       c.note = "timed, not published";
     } else if (!path.empty() && !publish_choice(path, c)) {

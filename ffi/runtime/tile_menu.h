@@ -14,11 +14,13 @@ namespace jaxoverlap {
 // writer wins, every process adopts the file), so every rank launches the same entry.
 struct TileChoice {
   int entry = 0, swizzle = 8;
+  int epi = 0;                   // TileRsArgs::epi: the entry's epilogue variant (store path)
   float ms = 0, ms_default = 0;  // the pick's time and entry 0's at the given swizzle
   int timed = 0;                 // candidates timed (0: cached or adopted)
   std::string note;              // why nothing was timed or published ("" if it was)
 };
-// `a`: the call's arguments (entry and mode ignored; a.swizzle is a candidate and the default).
+// `a`: the call's arguments (entry, epi and mode ignored; a.swizzle is a candidate and the
+// default).
 // `time_it`: false under capture (the caller times on a side stream outside the capture, or
 // keeps the default): then only the cache is read. Never launches on `stream` when false.
 std::string tile_rs_choose(const TileRsArgs& a, cudaStream_t stream, bool time_it, bool publish,

@@ -581,6 +581,7 @@ int tl_live(long long M, long long K, long long N, const char* cache_dir, double
         CK(cudaEventRecord(ev[2 + r], p.s[r]));
       } else {
         TileRsArgs a = p.tile(r, sms, v == 1 ? 0 : 1, pick.entry, pick.swizzle, false);
+        a.epi = pick.epi;
         CK(launch_tile_rs(a, p.s[r]));
         CK(cudaEventRecord(ev[2 + r], p.s[r]));
         CK(launch_release_slots(a.peers, p.s[r]));
@@ -729,7 +730,8 @@ double tl_ref_run(void* hp, int v, int reps, double* event_ms) {
   const GemmShape gs{h->M, h->N, h->K, DType::kBF16, false, 0, h->wcol != 0};
   static const int kMode[6] = {-1, 2, 1, 0, 2, 0};
   const int entry = v >= 4 ? 0 : h->pick.entry, sw = v >= 4 ? kSwizzle : h->pick.swizzle;
-  const TileRsArgs ta = ref_args(h, v > 0 ? kMode[v] : 0, entry, sw);
+  TileRsArgs ta = ref_args(h, v > 0 ? kMode[v] : 0, entry, sw);
+  if (v < 4) ta.epi = h->pick.epi;  // the pick's epilogue variant
   CK(cudaStreamSynchronize(h->s));
   const auto t0 = std::chrono::steady_clock::now();
   CK(cudaEventRecord(a, h->s));

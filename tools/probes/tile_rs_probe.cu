@@ -123,9 +123,10 @@ TileRsArgs make_args(Rank* rk, int r, int n, int64_t m, int64_t N, int64_t K, in
 }
 
 // n ranks on one GPU (each kernel on 1/n of the SMs), `calls` calls, rank r running menu entry
-// entries[r]; false on a mismatch. *out0: rank 0's block of the first call.
+// entries[r] with epilogue variant epis[r] (TileRsArgs::epi; null: 0); false on a mismatch.
+// *out0: rank 0's block of the first call.
 bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const int* entries,
-           std::vector<uint16_t>* out0) {
+           std::vector<uint16_t>* out0, const int* epis = nullptr) {
   const int64_t m = M / n;
   int total_sms = 0;
   CK(cudaDeviceGetAttribute(&total_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -161,6 +162,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const i
   for (int call = 0; call < calls; ++call) {
     for (int r = 0; r < n; ++r) {
       TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, sms, 0, entries[r]);
+      a.epi = epis ? epis[r] : 0;
       CK(launch_tile_rs(a, rk[r].stream));
       CK(launch_release_slots(a.peers, rk[r].stream));
       finish<<<1, 1, 0, rk[r].stream>>>(rk[r].flags);
@@ -288,9 +290,11 @@ struct Problem {
     cudaFree(rk[0].stage), cudaFree(rk[0].flags), cudaFree(rk[0].x), cudaFree(rk[0].w);
     cudaFree(rk[0].out), cudaFreeHost(abort), cudaFreeHost(err);
   }
-  TileRsArgs args(const Shape& sh, int sms, int mode, int entry, int swizzle, int legacy = 0) {
+  TileRsArgs args(const Shape& sh, int sms, int mode, int entry, int swizzle, int legacy = 0,
+                  int epi = 0) {
     TileRsArgs a = make_args(rk, 0, sh.tp, m, sh.N, sh.K, 0, abort, err, sms, mode, entry);
     a.swizzle = swizzle;
+    a.epi = epi;
     a.legacy_publish = legacy;
     a.timeout_ns = 2ull * 1000 * 1000 * 1000;  // a wait that gives up shows within seconds
     return a;
@@ -298,6 +302,37 @@ struct Problem {
 };
 
 int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE (time --swizzle S: another)
+constexpr int kEpiAll =
+    kTileEpiLaneStores | kTileEpiBulkStores | kTileEpiOwnPrefetch | kTileEpiFlushPairs;
+
+// TILE_PROBE_EPI="V:MODES ..." (e.g. "3:210 4:10 8:0"): every entry also with TileRsArgs::epi
+// = V in each listed mode (2 plain, 1 solo, 0 prod), timed in the same interleaved rounds; the
+// summary gives each variant over the same entry's and mode's default (epi 0).
+struct EpiVariant {
+  int epi;
+  std::vector<int> modes;
+};
+std::vector<EpiVariant> epi_variants() {
+  std::vector<EpiVariant> out;
+  const char* env = std::getenv("TILE_PROBE_EPI");
+  if (!env) return out;
+  std::string s(env);
+  size_t i = 0;
+  while (i < s.size()) {
+    while (i < s.size() && s[i] == ' ') ++i;
+    size_t j = s.find(' ', i);
+    if (j == std::string::npos) j = s.size();
+    const std::string tok = s.substr(i, j - i);
+    i = j;
+    const size_t c = tok.find(':');
+    if (tok.empty() || c == std::string::npos) continue;
+    EpiVariant v{std::atoi(tok.substr(0, c).c_str()), {}};
+    for (char ch : tok.substr(c + 1))
+      if (ch >= '0' && ch <= '2') v.modes.push_back(ch - '0');
+    out.push_back(v);
+  }
+  return out;
+}
 
 double geomean(const std::vector<double>& v) {
   double s = 0;
@@ -365,6 +400,20 @@ int main(int argc, char** argv) {
         else if (got != out0)  // a fact worth knowing, not a failure
           std::printf("  note: entry %s's bits differ from rank 0's of the mixed run\n",
                       tile_rs_entry_name(e));
+        if (e == -1) continue;
+        // The epilogue's variants (every kTileEpi* bit: the other store path, the own slabs' L2
+        // prefetch, flags in pairs) change no value: the same bits as the default. Mixed
+        // entries: the odd ranks run them; one entry: every rank.
+        int epis[kMaxRanks];
+        for (int r = 0; r < c.n; ++r) epis[r] = e == -2 && r % 2 == 0 ? 0 : kEpiAll;
+        std::vector<uint16_t> got2;
+        std::printf("  the same with epi %d on %s:\n", kEpiAll,
+                    e == -2 ? "odd ranks" : "every rank");
+        if (!check(c.M, c.K, c.N, c.w_col, 4, c.n, entries, &got2, epis)) ok = false;
+        if (got2 != got) {
+          std::printf("  rank 0's bits differ with the epilogue variants (must not)\n");
+          ok = false;
+        }
       }
     }
     std::printf("TILE CHECK (%d entries): %s\n", E, ok ? "PASSED" : "FAILED");
@@ -483,8 +532,17 @@ int main(int argc, char** argv) {
   }
   struct Agg {
     std::vector<double> best, e0, pplain, psolo, pprod, solo_plain, prod_plain, legacy_plain;
+    std::vector<double> pick_epi_plain, pick_epi_prod;  // the pick over its entry at epi 0
     std::vector<std::vector<double>> plain_e, prod_e;  // per entry: plain/ref, prod/ref
+    std::vector<std::pair<std::string, std::vector<double>>> epi;  // variant / default
+    std::vector<double>& epi_row(const std::string& k) {
+      for (auto& [name, v] : epi)
+        if (name == k) return v;
+      epi.push_back({k, {}});
+      return epi.back().second;
+    }
   };
+  const std::vector<EpiVariant> evs = epi_variants();
   std::vector<std::pair<std::string, Agg>> sets;  // in order of appearance
   std::vector<std::pair<std::string, Agg>> judged;
   auto agg = [](std::vector<std::pair<std::string, Agg>>& v, const std::string& k) -> Agg& {
@@ -502,8 +560,9 @@ int main(int argc, char** argv) {
       std::printf("cuBLASLt: %s\n", e.c_str());
       return 1;
     }
-    auto tile = [&](int mode, int entry, int swizzle, int legacy = 0) -> std::function<void()> {
-      TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy);
+    auto tile = [&](int mode, int entry, int swizzle, int legacy = 0,
+                    int epi = 0) -> std::function<void()> {
+      TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy, epi);
       return [&, a] {  // each call ends with the epoch's advance (the claim counters alternate)
         CK(launch_tile_rs(a, s));
         CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
@@ -515,11 +574,19 @@ int main(int argc, char** argv) {
     for (int e = 0; e < E && !plain_only; ++e) fns.push_back(tile(1, e, kSwizzle));
     for (int e = 0; e < E && !plain_only; ++e) fns.push_back(tile(0, e, kSwizzle));
     if (sh.picked && !plain_only) {
+      fns.push_back(tile(2, sh.pick.entry, sh.pick.swizzle, 0, sh.pick.epi));
+      fns.push_back(tile(1, sh.pick.entry, sh.pick.swizzle, 0, sh.pick.epi));
+      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 0, sh.pick.epi));
+      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1, sh.pick.epi));  // fence, tile late
+      // the pick's entry and swizzle with the default epilogue: what the epi choice bought
       fns.push_back(tile(2, sh.pick.entry, sh.pick.swizzle));
-      fns.push_back(tile(1, sh.pick.entry, sh.pick.swizzle));
       fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle));
-      fns.push_back(tile(0, sh.pick.entry, sh.pick.swizzle, 1));  // the fence, a tile late
     }
+    // TILE_PROBE_EPI: every entry with each variant in its modes
+    const size_t epi_at = fns.size();
+    for (const EpiVariant& v : evs)
+      for (int mode : v.modes)
+        for (int e = 0; e < E; ++e) fns.push_back(tile(mode, e, kSwizzle, 0, v.epi));
     // TILE_PROBE_DECOMP set: entry 0 also in modes 5 (plain in the fused op's block order), 3
     // (solo without the own tiles' adds), 4 (3 with the foreign tiles into out), 6 (= 4 since
     // production dropped the own tiles' L2 prefetch), 7 and 8 (prod and solo with that prefetch):
@@ -566,8 +633,18 @@ int main(int argc, char** argv) {
     if (sh.picked && !plain_only) {
       pp = t[1 + 3 * E].ms / ref, ps = t[2 + 3 * E].ms / ref, pq = t[3 + 3 * E].ms / ref;
       pl = t[4 + 3 * E].ms / ref;
-      std::printf(" | pick %s sw%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f",
-                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, pp, ps, pq, pl);
+      std::printf(" | pick %s sw%d epi%d plain %.3f solo %.3f prod %.3f prod-legacy %.3f "
+                  "(epi0: plain %.3f prod %.3f)",
+                  tile_rs_entry_name(sh.pick.entry), sh.pick.swizzle, sh.pick.epi, pp, ps, pq, pl,
+                  t[5 + 3 * E].ms / ref, t[6 + 3 * E].ms / ref);
+    }
+    {
+      size_t i = epi_at;
+      for (const EpiVariant& v : evs)
+        for (int mode : v.modes) {
+          std::printf(" | epi%d %s", v.epi, mode == 2 ? "plain" : mode == 1 ? "solo" : "prod");
+          for (int e = 0; e < E; ++e) std::printf(" %.3f", t[i++].ms / ref);
+        }
     }
     if (decomp)
       for (int i = 0; i < kDecomp; ++i)
@@ -591,7 +668,20 @@ int main(int argc, char** argv) {
         g.pplain.push_back(pp), g.psolo.push_back(ps), g.pprod.push_back(pq);
         g.solo_plain.push_back(ps / pp), g.prod_plain.push_back(pq / pp);
         g.legacy_plain.push_back(pl / pp);
+        g.pick_epi_plain.push_back(t[1 + 3 * E].ms / t[5 + 3 * E].ms);
+        g.pick_epi_prod.push_back(t[3 + 3 * E].ms / t[6 + 3 * E].ms);
       }
+      size_t i = epi_at;
+      for (const EpiVariant& v : evs)
+        for (int mode : v.modes)
+          for (int e = 0; e < E; ++e, ++i) {
+            const size_t base = plain_only && mode != 2 ? 1 + e
+                                : 1 + (mode == 2 ? 0 : mode == 1 ? so : po) + e;
+            char key[96];
+            std::snprintf(key, sizeof(key), "epi%d %s %s", v.epi,
+                          mode == 2 ? "plain" : mode == 1 ? "solo" : "prod", tile_rs_entry_name(e));
+            g.epi_row(key).push_back(t[i].ms / t[base].ms);
+          }
     }
     if (jf) {
       std::fprintf(jf,
@@ -614,6 +704,16 @@ int main(int argc, char** argv) {
         for (int i = 0; i < kDecomp; ++i)
           std::fprintf(jf, ", \"mode%d:%s\": %.5f", kDecompModes[i], tile_rs_entry_name(0),
                        t[decomp + i].ms);
+      if (sh.picked && !plain_only)
+        std::fprintf(jf, ", \"pick-epi\": %d, \"plain-epi0\": %.5f, \"prod-epi0\": %.5f",
+                     sh.pick.epi, t[5 + 3 * E].ms, t[6 + 3 * E].ms);
+      size_t i = epi_at;
+      for (const EpiVariant& v : evs)
+        for (int mode : v.modes)
+          for (int e = 0; e < E; ++e)
+            std::fprintf(jf, ", \"%s:%s:epi%d\": %.5f",
+                         mode == 2 ? "plain" : mode == 1 ? "solo" : "prod", tile_rs_entry_name(e),
+                         v.epi, t[i++].ms);
       std::fprintf(jf, "}}");
       std::fflush(jf);  // the rows so far survive a run cut short
       first_row = false;
@@ -631,6 +731,33 @@ int main(int argc, char** argv) {
                   name.c_str(), v == &judged ? "judged" : "all", g.best.size(), geomean(g.e0),
                   geomean(g.best), geomean(g.pplain), geomean(g.psolo), geomean(g.pprod),
                   geomean(g.solo_plain), geomean(g.prod_plain), geomean(g.legacy_plain));
+  for (auto& [name, g] : judged)
+    std::printf("TILE pick-epi %-9s judged (%2zu shapes): pick / its entry at epi 0: plain %.3f "
+                "prod %.3f\n",
+                name.c_str(), g.pick_epi_prod.size(), geomean(g.pick_epi_plain),
+                geomean(g.pick_epi_prod));
+  for (auto& [name, g] : judged)
+    for (auto& [key, v] : g.epi)
+      std::printf("TILE epi %-9s judged %-28s (%2zu shapes): variant / default %.3f (min %.3f "
+                  "max %.3f)\n",
+                  name.c_str(), key.c_str(), v.size(), geomean(v),
+                  *std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end()));
+  {  // over every judged shape of every set (a variant's effect; the sets stay apart above)
+    std::vector<std::pair<std::string, std::vector<double>>> all;
+    for (auto& [name, g] : judged)
+      for (auto& kv : g.epi) {
+        const std::string& key = kv.first;
+        const std::vector<double>& v = kv.second;
+        auto it = std::find_if(all.begin(), all.end(), [&](auto& x) { return x.first == key; });
+        if (it == all.end()) all.push_back({key, v});
+        else it->second.insert(it->second.end(), v.begin(), v.end());
+      }
+    for (auto& [key, v] : all)
+      std::printf("TILE epi all-sets  judged %-28s (%2zu shapes): variant / default %.3f (min "
+                  "%.3f max %.3f)\n",
+                  key.c_str(), v.size(), geomean(v), *std::min_element(v.begin(), v.end()),
+                  *std::max_element(v.begin(), v.end()));
+  }
   for (auto* v : {&sets, &judged})
     for (auto& [name, g] : *v)
       for (int e = 0; e < E && e < (int)g.plain_e.size(); ++e)
