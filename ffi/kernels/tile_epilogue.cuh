@@ -62,13 +62,9 @@ class TileEpilogue {
   // per CTA that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256
   // plain GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
   // warpgroup's MMA, whose shared memory the lanes' stores contend for -- but on short K its
-  // 512 bulk copies per tile cost more than the lanes' stores (prod ~10 % faster with those).
+  // 512 bulk copies per tile cost more than the lanes' stores do (docs/tile-schedule.md).
   CUTLASS_DEVICE bool bulk() const {
     return kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0;
-  }
-  // Tools (epi kTileEpiFlushPairs, cooperative only): foreign flags published every second tile.
-  CUTLASS_DEVICE bool flush_pairs() const {
-    return !kPingpong && (p_->epi & kTileEpiFlushPairs) != 0;
   }
 
  public:
@@ -138,11 +134,7 @@ class TileEpilogue {
     const int w = thread_idx / 32, lane = thread_idx % 32;
     Flags* local = a.peers.flags[a.peers.rank];
     if (e_ == 0) e_ = *(volatile uint32_t*)&local->epoch + 1u;
-    if (flush_pairs() && !pending_old_ && pending_[0]) {
-      pending_old_ = pending_[0], pending_old_n_ = pending_n_, pending_[0] = nullptr;
-    } else {
-      flush();
-    }
+    flush();
     // This CTA's k-th tile (ping-pong: warpgroup g runs tiles g, g + 2, ...).
     const uint32_t k = kPingpong ? 2 * k_ + (threadIdx.x / 128 - 1) : k_;
     ++k_;
@@ -158,8 +150,6 @@ class TileEpilogue {
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
-    if (j == r && (a.epi & kTileEpiOwnPrefetch) && a.mode != 2 && a.mode != 5)
-      prefetch_own(row - j * a.m, col0, parity, lane, w);
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < kSlabsPerWarp; ++h) {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
@@ -247,7 +237,7 @@ class TileEpilogue {
   // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
   // is cumulative: no full fence (two-gpu-risks R4).
   CUTLASS_DEVICE void flush() {
-    if (!pending_[0] && !pending_[kSlabsPerWarp - 1] && !pending_old_) return;
+    if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
     if (bulk()) {
       tma_wait_all();
       fence_proxy_async();
@@ -255,12 +245,10 @@ class TileEpilogue {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
-      for (int f = 0; pending_old_ && f < pending_old_n_; ++f) st_release_sys(pending_old_ + f, e_);
       for (int h = 0; h < kSlabsPerWarp; ++h)
         for (int f = 0; pending_[h] && f < pending_n_; ++f) st_release_sys(pending_[h] + f, e_);
     }
     for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
-    pending_old_ = nullptr;
   }
 
  private:
@@ -324,26 +312,6 @@ class TileEpilogue {
     if (bulk()) Slab::drain_bulk_reads();
   }
 
-  // Tools (epi kTileEpiOwnPrefetch): the warp's own slabs' peer data (rows brow0 + 16 s of the
-  // block, slab s = w + 4 h) pulled into L2 by line prefetches, every source at once, at the
-  // start of the epilogue that reads it: more of it in flight than the unit buffers hold.
-  CUTLASS_DEVICE void prefetch_own(int64_t brow0, int64_t col0, int64_t parity, int lane,
-                                   int w) const {
-    const EpilogueArgs& a = *p_;
-    constexpr int kLines = kTileN * 2 / 128;  // 128-byte lines per row of a slab
-    const int64_t bytes = min((int64_t)kTileN, a.N - col0) * 2;
-    for (int h = 0; h < kSlabsPerWarp; ++h) {
-      const char* base = a.peers.stage[a.peers.rank] + parity +
-                         ((brow0 + 16 * (w + 4 * h)) * a.N + col0) * 2;
-      for (int t = 1; t < a.peers.n; ++t, base += a.slot_bytes)
-        for (int line = lane; line < 16 * kLines; line += 32) {
-          const int64_t off = (int64_t)(line % kLines) * 128;
-          if (off < bytes)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (line / kLines) * a.N * 2 + off));
-        }
-    }
-  }
-
   // The kernel's parameters (grid constants, alive for the whole kernel): read in place, not
   // copied per thread (an array indexed by the peer would go to local memory).
   const EpilogueArgs* p_;
@@ -352,8 +320,6 @@ class TileEpilogue {
   uint32_t last_k_ = 0;        // the CTA's index of this thread's last tile
   uint32_t* pending_[kSlabsPerWarp] = {};  // flags of the last foreign slabs, published later
   int pending_n_ = 0;
-  uint32_t* pending_old_ = nullptr;  // flush_pairs: the foreign slab's flags of the tile before
-  int pending_old_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call

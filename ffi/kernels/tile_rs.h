@@ -62,15 +62,12 @@ struct TileRsArgs {
 // instantiation more); none changes a value or the protocol (ranks may run different ones).
 // LaneStores: a ping-pong entry's foreign (and plain) slabs leave by the lanes' stores, as the
 // cooperative kernel's do, instead of bulk async stores (faster prod on short K, slower plain on
-// long K: the selection times both). BulkStores: a cooperative entry's by bulk async stores.
-// Tools only (tools/probes/tile_rs_probe.cu, for timing): OwnPrefetch: an own slab's peer data
-// pulled into L2 (line prefetches) at the start of its epilogue; FlushPairs: the cooperative
-// kernel's foreign flags published every second foreign tile (at once before an own tile or
-// none).
+// long K: the selection times both). BulkStores: a cooperative entry's by bulk async stores
+// (measured slower everywhere: tools only). (Two more bits, an own slab's L2 prefetch at its
+// epilogue's start and flags every second foreign tile, were measured and dropped on 2026-12-02:
+// docs/measurements.md, "The tile epilogue's store path as a runtime choice".)
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
-constexpr int32_t kTileEpiOwnPrefetch = 4;
-constexpr int32_t kTileEpiFlushPairs = 8;
 
 // Flags of one rank's block: one per 16 rows x kFlagCols columns (row-major over the block), the
 // same for every menu entry (a 256-column tile publishes and waits for two per slab), so the

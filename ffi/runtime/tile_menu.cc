@@ -190,11 +190,12 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   if (note.empty()) {
-    // Every entry at the asked swizzle (its default epilogue), then the two fastest with their
-    // other epilogue variant (tile_rs_entry_alt_epi: the other store path), then the bands of
-    // the two with their faster variant (within the budget); a candidate must beat the one kept
-    // by 1 % (noise), so the default (entry 0, or the first that runs) stays unless another is
-    // clearly faster.
+    // Every entry at the asked swizzle, with its default epilogue and its other variant
+    // (tile_rs_entry_alt_epi: the ping-pong entries' lanes' stores, which win on short K where
+    // their bulk stores lose to every cooperative entry: the variant must be timed whatever the
+    // entry's rank), then the bands of the two fastest with their faster variant (within the
+    // budget); a candidate must beat the one kept by 1 % (noise), so the default (entry 0, or
+    // the first that runs) stays unless another is clearly faster.
     const float inf = std::numeric_limits<float>::infinity();
     std::vector<float> ms(tile_rs_menu_size());
     std::vector<int> epi(tile_rs_menu_size(), 0);
@@ -202,22 +203,20 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     for (int e = 0; e < tile_rs_menu_size() && note.empty(); ++e) {
       ms[e] = time_one(e, call.swizzle, 0);
       ++out->timed;
+      if (const int alt = tile_rs_entry_alt_epi(e); alt && note.empty()) {
+        const float t = time_one(e, call.swizzle, alt);
+        ++out->timed;
+        if (t < 0.99f * ms[e]) ms[e] = t, epi[e] = alt;
+      }
       if (!(ms[e] < inf)) continue;
       if (first < 0) first = e;
       else if (ms[e] < 0.99f * ms[first]) second = first, first = e;
       else if (second < 0 || ms[e] < ms[second]) second = e;
     }
     if (first < 0 && note.empty()) note = "no menu entry could run the problem on scratch operands";
-    if (first >= 0) out->entry = first, out->swizzle = call.swizzle, out->ms = ms[first];
+    if (first >= 0)
+      out->entry = first, out->swizzle = call.swizzle, out->epi = epi[first], out->ms = ms[first];
     out->ms_default = ms[0];
-    for (int e : {first, second}) {
-      const int alt = e < 0 ? 0 : tile_rs_entry_alt_epi(e);
-      if (!alt || !note.empty()) continue;
-      const float t = time_one(e, call.swizzle, alt);
-      ++out->timed;
-      if (t < 0.99f * ms[e]) epi[e] = alt, ms[e] = t;
-      if (t < 0.99f * out->ms) out->entry = e, out->epi = alt, out->ms = t;
-    }
     for (int e : {first, second}) {
       if (e < 0 || !note.empty()) continue;
       for (int sw : {1, 2, 4, 8, 16}) {

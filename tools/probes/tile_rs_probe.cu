@@ -302,10 +302,9 @@ struct Problem {
 };
 
 int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE (time --swizzle S: another)
-constexpr int kEpiAll =
-    kTileEpiLaneStores | kTileEpiBulkStores | kTileEpiOwnPrefetch | kTileEpiFlushPairs;
+constexpr int kEpiAll = kTileEpiLaneStores | kTileEpiBulkStores;
 
-// TILE_PROBE_EPI="V:MODES ..." (e.g. "3:210 4:10 8:0"): every entry also with TileRsArgs::epi
+// TILE_PROBE_EPI="V:MODES ..." (e.g. "3:210 1:0"): every entry also with TileRsArgs::epi
 // = V in each listed mode (2 plain, 1 solo, 0 prod), timed in the same interleaved rounds; the
 // summary gives each variant over the same entry's and mode's default (epi 0).
 struct EpiVariant {
@@ -401,8 +400,8 @@ int main(int argc, char** argv) {
           std::printf("  note: entry %s's bits differ from rank 0's of the mixed run\n",
                       tile_rs_entry_name(e));
         if (e == -1) continue;
-        // The epilogue's variants (every kTileEpi* bit: the other store path, the own slabs' L2
-        // prefetch, flags in pairs) change no value: the same bits as the default. Mixed
+        // The epilogue's variants (every kTileEpi* bit: the other store path) change no value:
+        // the same bits as the default. Mixed
         // entries: the odd ranks run them; one entry: every rank.
         int epis[kMaxRanks];
         for (int r = 0; r < c.n; ++r) epis[r] = e == -2 && r % 2 == 0 ? 0 : kEpiAll;
