@@ -47,6 +47,12 @@ __device__ __forceinline__ uint64_t* claim_ring() {
 // The scheduler tags (TileSchedulerSelector below): the cooperative and the ping-pong kernel.
 struct ClaimedTiles {};
 struct ClaimedTilesPingpong {};
+// Experiment variants of the scheduler (tools/probes/stock/, never in the menu): kVariant 1 =
+// a static order (cluster c takes the claim-order tiles c, c + clusters, ..., decoded as
+// production decodes a claimed one: no counter, no ring; not safe against clusters that never
+// start, so a plain GEMM only).
+template <int kVariant, bool kPingpong>
+struct ClaimedTilesVariant {};
 
 // The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
 // constructs the epilogue after arriving there: the ring is cleared here instead, by the
@@ -63,7 +69,7 @@ class RingClearPipeline : public cutlass::PipelineEmpty {
   }
 };
 
-template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+template <int kTileN, int kClusterM, int kClusterN, bool kPingpong, int kVariant = 0>
 class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   using Tile = typename Base::WorkTileInfo;
@@ -73,7 +79,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // after the barrier before it uses the tile. (It holds the geometry's address in the
   // kernel's parameters, not the scheduler's: a pointer to the scheduler put the whole object in
   // local memory, 248 bytes of stack, loaded and stored around every tile.)
-  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1 && kVariant == 0;
   struct LazyTile : Tile {
     const Geometry* g = nullptr;  // set: tile k not claimed yet
     uint32_t k = 0;
@@ -209,6 +215,12 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
   // e: this call's epoch target (0: not read yet); next: the cooperative claimer's next tile.
   static CUTLASS_DEVICE Tile claim(const Geometry& g, uint32_t k, uint32_t& e, int32_t& next) {
+    if constexpr (kVariant == 1) {  // static: cluster c's k-th tile is c + k * clusters
+      const uint32_t clusters = gridDim.x * gridDim.y / (kClusterM * kClusterN);
+      const dim3 cid = cute::cluster_id_in_grid();
+      const uint32_t c = cid.x + cid.y * (gridDim.x / kClusterM);
+      return decode(g, (int32_t)(c + k * clusters));
+    }
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
     const bool leader = cute::block_rank_in_cluster() == 0;
@@ -310,6 +322,15 @@ struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTilesPingpong, arch::Sm90,
   using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
                                                      cute::size<0>(ClusterShape{}),
                                                      cute::size<1>(ClusterShape{}), true>;
+};
+template <int kVariant, bool kPingpong, class TileShape, class ClusterShape, uint32_t Stages,
+          class ProblemShapeType>
+struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTilesVariant<kVariant, kPingpong>, arch::Sm90,
+                             TileShape, ClusterShape, Stages, ProblemShapeType> {
+  using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
+                                                     cute::size<0>(ClusterShape{}),
+                                                     cute::size<1>(ClusterShape{}), kPingpong,
+                                                     kVariant>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 
