@@ -191,9 +191,15 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&out, M * N * 2));
     CK(launch_fill_uniform(x, M * K, FillType::kBF16, 5, nullptr));
     CK(launch_fill_uniform(w, K * N, FillType::kBF16, 7, nullptr));
-    Flags* flags;  // our kernel's claim counters and epoch (mode 2 uses no staging)
+    // Our kernel's claim counters and epoch (mode 2 uses no staging); the hybrids and variants
+    // get their own: their epoch advances (the F variants) must not touch ours, whose claim
+    // counter of a call is reset by the call before it (two advances in a row without a launch
+    // of ours between them leave it exhausted: the launch then computes nothing).
+    Flags *flags, *hflags;
     CK(cudaMalloc(&flags, sizeof(Flags)));
     CK(cudaMemset(flags, 0, sizeof(Flags)));
+    CK(cudaMalloc(&hflags, sizeof(Flags)));
+    CK(cudaMemset(hflags, 0, sizeof(Flags)));
     char* stage;
     const int64_t stage_bytes = (tp - 1) * tile_rs_slot_bytes(m, N);
     CK(cudaMalloc(&stage, stage_bytes));
@@ -228,7 +234,7 @@ int main(int argc, char** argv) {
       }
     for (const StockEntry& se : kStock)
       for (int sw : {1, 8}) {
-        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, flags};
+        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, hflags};
         const std::string kind = std::string(se.name).rfind("hybv", 0) == 0 ? "var"
                                  : se.name[0] == 'h'                        ? "hybrid"
                                                                             : "stock";
@@ -237,9 +243,9 @@ int main(int argc, char** argv) {
           vs.push_back({kind + ":" + tail, [&s, p, run = se.run] { return run(p, s); }});
         // the hybrids and variants with our launches' epoch advance after each (as ours)
         if (kind != "stock" && wanted(kind + "F:" + tail))
-          vs.push_back({kind + "F:" + tail, [&s, p, tp, flags, run = se.run] {
+          vs.push_back({kind + "F:" + tail, [&s, p, tp, hflags, run = se.run] {
                           if (cudaError_t err = run(p, s)) return err;
-                          return tile_rs_finish_emulated(flags, tp, s);
+                          return tile_rs_finish_emulated(hflags, tp, s);
                         }});
       }
     if (dup)  // the same launch twice, at two positions of a fixed order
@@ -301,7 +307,7 @@ int main(int argc, char** argv) {
       }
       CK(cudaProfilerStop());
       std::printf("\n");
-      cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+      cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(hflags), cudaFree(stage);
       continue;
     }
     // ~5 ms per round of a variant
@@ -380,7 +386,7 @@ int main(int argc, char** argv) {
       std::fflush(jf);
       first_row = false;
     }
-    cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+    cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(hflags), cudaFree(stage);
   }
   std::fclose(f);
   if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
