@@ -21,10 +21,12 @@
 //          too. --swizzle S: the entries at raster band S (default 8). --plain: the reference
 //          and mode 2 only (e.g. an experimental scheduler that cannot
 //          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
-//          shapes 2 M K N >= 1e11. --order fixed | shuffle: each round runs the variants in the
-//          order above, or in a fresh random (seeded) order per round (tile_stock_probe.cu
-//          --order: in a fixed order the same launch measured 0.96 of the reference right after
-//          it and 1.12 late in the round on long-K shapes, 2026-12-02).
+//          shapes 2 M K N >= 1e11. --order shuffle (default) | fixed: each round runs the variants
+//          in a fresh random (seeded) order, or always in the order above. In the fixed order
+//          the same launch (the pick = entry 0 at band 8) measured 0.972 of the reference at the
+//          round's start and 1.045 late in it (8192 x 26624 x 16384, session 7 call 2; 0.956 /
+//          1.119 in the evening's table): the GPU is power-capped on long K and a variant's time
+//          depends on what ran before it.
 //
 //          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4, 6, 7 and 8 (tile_rs.h; where solo's
 //          cost over plain sits; 7, 8: prod, solo WITH the own tiles' L2 prefetch), as "mode<k>:" JSON keys.
@@ -222,7 +224,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const i
 struct Timed {
   float ms, spread;
 };
-bool kShuffle = false;  // time --order shuffle: a random order of the variants per round
+bool kShuffle = true;  // time --order: a random order of the variants per round (or fixed)
 std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fns, cudaStream_t s,
                                     int reps) {
   cudaEvent_t a, b;
@@ -430,7 +432,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--swizzle" && i + 1 < argc) kSwizzle = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
     if (std::string(argv[i]) == "--order" && i + 1 < argc)
-      kShuffle = std::string(argv[++i]) == "shuffle";
+      kShuffle = std::string(argv[++i]) != "fixed";
   }
   std::vector<Shape> shapes;
   {
