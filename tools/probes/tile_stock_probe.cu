@@ -13,7 +13,8 @@
 //     hybrid:S  our TileKernel (mainloop + TileEpilogue, plain) with CUTLASS's persistent
 //               scheduler instead of ours (stock/hybrid_gemm.cuh), the same swizzles
 //     var:S     our TileKernel with an experiment variant of our scheduler (stock_api.h's
-//               VARIANT_LIST; hybv1: a static order, no counter, no ring), at raster band 1, 8
+//               VARIANT_LIST; hybv1: a static order, no counter, no ring; hybv2: that order
+//               through the claim ring), at raster band 1, 8
 //     hybridF:, varF:  the same followed by our launches' epoch advance kernel (as ours are)
 //   Each variant's output is first checked against cuBLASLt's (max |diff| / max |ref|).
 //   --order shuffle (default) | fixed: each round runs the variants in a fresh random order

@@ -41,7 +41,8 @@ struct HybridGemm {
     args.problem_shape = o.problem_shape;
     args.mainloop = o.mainloop;
     args.epilogue = o.epilogue;
-    args.epilogue.a.claims = 0;  // no counter: the epilogue claims nothing
+    // no counter: the epilogue claims nothing (variant 3: it claims the static order's tiles)
+    args.epilogue.a.claims = kVariant == 3 ? 2 : 0;
     args.hw_info = o.hw_info;
     if constexpr (kVariant < 0) {
       args.scheduler.max_swizzle_size = p.swizzle;
