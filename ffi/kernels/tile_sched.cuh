@@ -47,6 +47,18 @@ __device__ __forceinline__ uint64_t* claim_ring() {
 // The scheduler tags (TileSchedulerSelector below): the cooperative and the ping-pong kernel.
 struct ClaimedTiles {};
 struct ClaimedTilesPingpong {};
+// Experiment variants of the scheduler (tools/probes/stock/, never in the menu): kVariant 1 =
+// a static order (cluster c takes the claim-order tiles c, c + clusters, ..., decoded as
+// production decodes a claimed one: no counter, no ring; not safe against clusters that never
+// start, so a plain GEMM only); kVariant 2 = that static order handed out through the ring as
+// the cooperative kernel's claims are (the leader's producer publishes every tile of the CTA,
+// everyone else reads the ring; no counter): variant 1 -> 2 is the ring's cost; kVariant 3
+// (ping-pong only) = production's claims and their timing (tiles 0 and 1 by the producer, tile
+// k >= 2 by the consumer warpgroup at the start of its epilogue of tile k - 2, the epilogue's
+// `claims` = 2) but each claim takes the static order's tile instead of the counter's: 3 -> 0 is
+// the counter's atomic, 2 -> 3 the claims' timing.
+template <int kVariant, bool kPingpong>
+struct ClaimedTilesVariant {};
 
 // The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
 // constructs the epilogue after arriving there: the ring is cleared here instead, by the
@@ -63,7 +75,7 @@ class RingClearPipeline : public cutlass::PipelineEmpty {
   }
 };
 
-template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+template <int kTileN, int kClusterM, int kClusterN, bool kPingpong, int kVariant = 0>
 class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   using Tile = typename Base::WorkTileInfo;
@@ -73,7 +85,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // after the barrier before it uses the tile. (It holds the geometry's address in the
   // kernel's parameters, not the scheduler's: a pointer to the scheduler put the whole object in
   // local memory, 248 bytes of stack, loaded and stored around every tile.)
-  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1;
+  static constexpr bool kLazyFirst = kPingpong && kClusterM * kClusterN > 1 && kVariant != 1;
   struct LazyTile : Tile {
     const Geometry* g = nullptr;  // set: tile k not claimed yet
     uint32_t k = 0;
@@ -151,14 +163,23 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // after the arrive, so the entry was never there and every tile flushed). Tile k - 1 is in
   // the ring at the claim: the other warpgroup claimed it at the start of its epilogue of tile
   // k - 3, which ran before this one (tile 1: the producer), so claims stay in counter order.
-  static CUTLASS_DEVICE void claim_next(Flags* local, uint32_t e, uint32_t k) {
+  // (claims = 2: tools variant 3, the static order's tile instead of the counter's.)
+  static CUTLASS_DEVICE void claim_next(Flags* local, uint32_t e, uint32_t k, int claims = 1) {
     if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
       wait_ring(k - 1, true);
-      publish(k, (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
+      publish(k, claims == 2 ? static_tile(k) : (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
     }
   }
   // The CTA's tile k once it is in the ring (a cluster peer's leader is at the same tile).
   static CUTLASS_DEVICE int32_t next_tile(uint32_t k) { return wait_ring(k, true); }
+
+  // Tools variants 1-3: the static order's k-th tile of this CTA's cluster (c + k clusters).
+  static CUTLASS_DEVICE int32_t static_tile(uint32_t k) {
+    const uint32_t clusters = gridDim.x * gridDim.y / (kClusterM * kClusterN);
+    const dim3 cid = cute::cluster_id_in_grid();
+    const uint32_t c = cid.x + cid.y * (gridDim.x / kClusterM);
+    return (int32_t)(c + k * clusters);
+  }
 
  private:
   // The k-th tile of this CTA. Tiles are claimed from the counter by the leader CTA and written
@@ -212,9 +233,29 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     const int lane = threadIdx.x % 32;
     const bool producer = threadIdx.x / 32 == 0;
     const bool leader = cute::block_rank_in_cluster() == 0;
+    if constexpr (kVariant == 1 || kVariant == 2) {  // static: cluster c's k-th tile, c + k clusters
+      int32_t t = static_tile(k);
+      if constexpr (kVariant == 2) {
+        if (producer && leader) {
+          if (lane == 0) publish(k, t);
+        } else {
+          t = wait_ring(k, !producer);
+        }
+      }
+      return decode(g, t);
+    }
     if (e == 0) e = *(volatile uint32_t*)&g.local->epoch + 1u;
     uint32_t* counter = &g.local->claim[e & 1u];
     int32_t t = 0;
+    if constexpr (kVariant == 3) {  // production's claims, the static order's tiles (no counter)
+      if (producer && leader && k == 0) {
+        if (lane == 0) publish(0, static_tile(0)), publish(1, static_tile(1));
+        t = static_tile(0);
+      } else {
+        t = wait_ring(k, !producer);
+      }
+      return decode(g, t);
+    }
     if (producer && leader && (!kPingpong || k == 0)) {
       if (lane == 0) {
         if (k == 0) {
@@ -310,6 +351,15 @@ struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTilesPingpong, arch::Sm90,
   using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
                                                      cute::size<0>(ClusterShape{}),
                                                      cute::size<1>(ClusterShape{}), true>;
+};
+template <int kVariant, bool kPingpong, class TileShape, class ClusterShape, uint32_t Stages,
+          class ProblemShapeType>
+struct TileSchedulerSelector<jaxoverlap::tile::ClaimedTilesVariant<kVariant, kPingpong>, arch::Sm90,
+                             TileShape, ClusterShape, Stages, ProblemShapeType> {
+  using Scheduler = jaxoverlap::tile::ClaimScheduler<cute::size<1>(TileShape{}),
+                                                     cute::size<0>(ClusterShape{}),
+                                                     cute::size<1>(ClusterShape{}), kPingpong,
+                                                     kVariant>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 

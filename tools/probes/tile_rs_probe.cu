@@ -7,7 +7,7 @@
 //          rank's block against an f32 reference and bitwise equal across calls; every menu
 //          entry, and ranks running different entries (the flag layout is the entry's own
 //          business: one flag per 16 x 128 piece whatever the tile).
-//   time FILE [--pick] [--plain] [--swizzle S] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
+//   time FILE [--pick] [--plain] [--swizzle S] [--order O] [--json OUT]: the shapes of FILE (tools/shapes.py: "<set> <tp> M K N"
 //          per line), one rank alone on all SMs, timed interleaved (BENCHMARKS.md) per shape:
 //          the reference = the GEMM runner's searched cuBLASLt plan (ffi/runtime/gemm.h; XLA's
 //          jnp.matmul is NOT timed here: the reference is cuBLASLt only), every entry as a plain
@@ -21,7 +21,12 @@
 //          too. --swizzle S: the entries at raster band S (default 8). --plain: the reference
 //          and mode 2 only (e.g. an experimental scheduler that cannot
 //          run the protocol's order; solo and prod print as plain). Geomeans per set; judged
-//          shapes 2 M K N >= 1e11.
+//          shapes 2 M K N >= 1e11. --order shuffle (default) | fixed: each round runs the variants
+//          in a fresh random (seeded) order, or always in the order above. In the fixed order
+//          the same launch (the pick = entry 0 at band 8) measured 0.972 of the reference at the
+//          round's start and 1.045 late in it (8192 x 26624 x 16384, session 7 call 2; 0.956 /
+//          1.119 in the evening's table): the GPU is power-capped on long K and a variant's time
+//          depends on what ran before it.
 //
 //          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4, 6, 7 and 8 (tile_rs.h; where solo's
 //          cost over plain sits; 7, 8: prod, solo WITH the own tiles' L2 prefetch), as "mode<k>:" JSON keys.
@@ -43,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -220,6 +226,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const i
 struct Timed {
   float ms, spread;
 };
+bool kShuffle = true;  // time --order: a random order of the variants per round (or fixed)
 std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fns, cudaStream_t s,
                                     int reps) {
   cudaEvent_t a, b;
@@ -228,8 +235,14 @@ std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fn
   for (const auto& f : fns)
     for (int i = 0; i < std::max(2, reps / 4); ++i) f();
   std::vector<std::vector<float>> ts(fns.size());
-  for (int rep = 0; rep < 7; ++rep)
-    for (size_t v = 0; v < fns.size(); ++v) {
+  std::vector<size_t> order(fns.size());
+  for (int rep = 0; rep < 7; ++rep) {
+    for (size_t v = 0; v < fns.size(); ++v) order[v] = v;
+    if (kShuffle) {
+      std::mt19937 rng(7919u * (unsigned)rep + (unsigned)fns.size());
+      std::shuffle(order.begin(), order.end(), rng);
+    }
+    for (size_t v : order) {
       CK(cudaEventRecord(a, s));
       for (int i = 0; i < reps; ++i) fns[v]();
       CK(cudaEventRecord(b, s));
@@ -238,6 +251,7 @@ std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fn
       CK(cudaEventElapsedTime(&ms, a, b));
       ts[v].push_back(ms / reps);
     }
+  }
   std::vector<Timed> out;
   for (auto& t : ts) {
     std::sort(t.begin(), t.end());
@@ -465,6 +479,8 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--plain") plain_only = true;
     if (std::string(argv[i]) == "--swizzle" && i + 1 < argc) kSwizzle = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
+    if (std::string(argv[i]) == "--order" && i + 1 < argc)
+      kShuffle = std::string(argv[++i]) != "fixed";
   }
   std::vector<Shape> shapes;
   {
@@ -526,8 +542,9 @@ int main(int argc, char** argv) {
                  "variants of one shape interleaved, 7 rounds of up to 20 launches each; ms = median "
                  "of the rounds; reference = the GEMM runner's searched cuBLASLt plan only (XLA's "
                  "jnp.matmul not timed); plain = mode 2, solo = mode 1, prod = mode 0 on the emulated "
-                 "group; entries at swizzle %d, the pick at its own\", \"rows\": [\n",
-                 prop.name, date, kSwizzle);
+                 "group; entries at swizzle %d, the pick at its own\", \"order\": \"%s\", "
+                 "\"rows\": [\n",
+                 prop.name, date, kSwizzle, kShuffle ? "shuffle" : "fixed");
   }
   struct Agg {
     std::vector<double> best, e0, pplain, psolo, pprod, solo_plain, prod_plain, legacy_plain;

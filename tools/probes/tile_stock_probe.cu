@@ -12,11 +12,24 @@
 //               at max_swizzle_size 1 and 8, raster heuristic
 //     hybrid:S  our TileKernel (mainloop + TileEpilogue, plain) with CUTLASS's persistent
 //               scheduler instead of ours (stock/hybrid_gemm.cuh), the same swizzles
+//     var:S     our TileKernel with an experiment variant of our scheduler (stock_api.h's
+//               VARIANT_LIST; hybv1: a static order, no counter, no ring; hybv2: that order
+//               through the claim ring), at raster band 1, 8
+//     hybridF:, varF:  the same followed by our launches' epoch advance kernel (as ours are)
 //   Each variant's output is first checked against cuBLASLt's (max |diff| / max |ref|).
+//   --order shuffle (default) | fixed: each round runs the variants in a fresh random order
+//   (seeded), or always in the order above. Fixed order biased the comparison: the same launch
+//   measured 0.96 right after cuBLASLt and 1.12 later in the round (tile_rs_probe, long K).
+//   After every sample a one-thread kernel reads the SM clock (clock64 over 20 us of
+//   %globaltimer); each variant prints the median clock after its samples ("end") and after the
+//   sample before them ("start").
+//   --only A,B,...: only the variants whose name contains one of the substrings (and ref);
+//   --dup: the first "ours" variant twice (named ...#2): the same launch, two positions.
 //   --prof: no timing; per shape one launch of cuBLASLt, ours at band 8 and stock at swizzle 1
 //   between cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
 //   Build: STOCK=1 tools/probes/build_tile_rs_probe.sh (CPU machine).
 #include <cuda_bf16.h>
+#include <random>
 #include <cuda_profiler_api.h>
 
 #include <algorithm>
@@ -49,7 +62,8 @@ struct StockEntry {
 };
 #define STOCK_ENTRY(NAME, ...) {#NAME, stock::run_##NAME},
 #define HYBRID_ENTRY(NAME, ...) {#NAME, stock::run_##NAME},
-const StockEntry kStock[] = {STOCK_LIST(STOCK_ENTRY) HYBRID_LIST(HYBRID_ENTRY)};
+const StockEntry kStock[] = {STOCK_LIST(STOCK_ENTRY) HYBRID_LIST(HYBRID_ENTRY)
+                                 VARIANT_LIST(HYBRID_ENTRY)};
 #undef HYBRID_ENTRY
 #undef STOCK_ENTRY
 
@@ -74,22 +88,65 @@ __global__ void diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int6
   atomicMax(out + 1, __float_as_uint(mx));
 }
 
+// The SM clock: cycles (clock64) over ~20 us of %globaltimer, one thread.
+__global__ void clock_kernel(unsigned long long* out) {
+  unsigned long long t0, t1;
+  const long long c0 = clock64();
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  } while (t1 - t0 < 20000);
+  const long long c1 = clock64();
+  out[0] = (unsigned long long)(c1 - c0);
+  out[1] = t1 - t0;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::printf("usage: tile_stock_probe FILE [--json OUT] [--rounds R]\n");
+    std::printf("usage: tile_stock_probe FILE [--json OUT] [--rounds R] [--order shuffle|fixed] "
+                "[--only A,B,...] [--dup] [--prof]\n");
     return 2;
   }
   const char* json = nullptr;
   int rounds = 9;
-  bool prof = false;
+  bool prof = false, shuffle = true, dup = false;
+  std::vector<std::string> only;
   for (int i = 2; i < argc; ++i) {
-    if (std::string(argv[i]) == "--prof") prof = true;
-    if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
-    else if (std::string(argv[i]) == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
+    const std::string arg = argv[i];
+    if (arg == "--prof") prof = true;
+    else if (arg == "--dup") dup = true;
+    else if (arg == "--json" && i + 1 < argc) json = argv[++i];
+    else if (arg == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
+    else if (arg == "--order" && i + 1 < argc) shuffle = std::string(argv[++i]) != "fixed";
+    else if (arg == "--only" && i + 1 < argc) {
+      std::string l = argv[++i];
+      for (size_t a = 0, b; a <= l.size(); a = b + 1) {
+        b = l.find(',', a);
+        if (b == std::string::npos) b = l.size();
+        if (b > a) only.push_back(l.substr(a, b - a));
+      }
+    } else {
+      std::printf("unknown argument %s\n", argv[i]);
+      return 2;
+    }
   }
+  auto wanted = [&](const std::string& name) {
+    if (only.empty()) return true;
+    for (const std::string& o : only)
+      if (name.find(o) != std::string::npos) return true;
+    return false;
+  };
+  unsigned long long* dclock;
+  CK(cudaMalloc(&dclock, 16));
   CK(cudaSetDevice(0));
   const int E = tile_rs_menu_size();
   for (int e = 0; e < E; ++e) CK(preload_tile_entry(e, false));
@@ -106,7 +163,11 @@ int main(int argc, char** argv) {
   void* ws;
   CK(cudaMalloc(&ws, ws_bytes));
   FILE* jf = json ? std::fopen(json, "w") : nullptr;
-  if (jf) std::fprintf(jf, "{\"tool\": \"tools/probes/tile_stock_probe.cu\", \"rounds\": %d, \"rows\": [", rounds);
+  if (jf)
+    std::fprintf(jf,
+                 "{\"tool\": \"tools/probes/tile_stock_probe.cu\", \"rounds\": %d, \"order\": \"%s\", "
+                 "\"rows\": [",
+                 rounds, shuffle ? "shuffle" : "fixed");
   std::vector<std::string> names;
   std::vector<std::vector<double>> ratios;  // per variant, per judged shape: ms / ref
   FILE* f = std::fopen(argv[1], "r");
@@ -131,9 +192,15 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&out, M * N * 2));
     CK(launch_fill_uniform(x, M * K, FillType::kBF16, 5, nullptr));
     CK(launch_fill_uniform(w, K * N, FillType::kBF16, 7, nullptr));
-    Flags* flags;  // our kernel's claim counters and epoch (mode 2 uses no staging)
+    // Our kernel's claim counters and epoch (mode 2 uses no staging); the hybrids and variants
+    // get their own: their epoch advances (the F variants) must not touch ours, whose claim
+    // counter of a call is reset by the call before it (two advances in a row without a launch
+    // of ours between them leave it exhausted: the launch then computes nothing).
+    Flags *flags, *hflags;
     CK(cudaMalloc(&flags, sizeof(Flags)));
     CK(cudaMemset(flags, 0, sizeof(Flags)));
+    CK(cudaMalloc(&hflags, sizeof(Flags)));
+    CK(cudaMemset(hflags, 0, sizeof(Flags)));
     char* stage;
     const int64_t stage_bytes = (tp - 1) * tile_rs_slot_bytes(m, N);
     CK(cudaMalloc(&stage, stage_bytes));
@@ -158,6 +225,8 @@ int main(int argc, char** argv) {
         a.sm_count = sms, a.swizzle = sw, a.entry = e, a.mode = 2, a.stall_rank = -1;
         a.op = kOpGemmRs;
         a.timeout_ns = 2000000000ull;
+        if (!wanted(std::string("ours:") + tile_rs_entry_name(e) + "/sw" + std::to_string(sw)))
+          continue;
         vs.push_back({std::string("ours:") + tile_rs_entry_name(e) + "/sw" + std::to_string(sw),
                       [&, a] {
                         if (cudaError_t err = launch_tile_rs(a, s)) return err;
@@ -166,16 +235,26 @@ int main(int argc, char** argv) {
       }
     for (const StockEntry& se : kStock)
       for (int sw : {1, 8}) {
-        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, flags};
-        vs.push_back({std::string(se.name[0] == 'h' ? "hybrid:" : "stock:") + se.name + "/sw" + std::to_string(sw),
-                      [&s, p, run = se.run] { return run(p, s); }});
-        if (se.name[0] == 'h')  // the hybrid with our launches' epoch advance after each (as ours)
-          vs.push_back({std::string("hybridF:") + se.name + "/sw" + std::to_string(sw),
-                        [&s, p, tp, flags, run = se.run] {
+        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, hflags};
+        const std::string kind = std::string(se.name).rfind("hybv", 0) == 0 ? "var"
+                                 : se.name[0] == 'h'                        ? "hybrid"
+                                                                            : "stock";
+        const std::string tail = std::string(se.name) + "/sw" + std::to_string(sw);
+        if (wanted(kind + ":" + tail))
+          vs.push_back({kind + ":" + tail, [&s, p, run = se.run] { return run(p, s); }});
+        // the hybrids and variants with our launches' epoch advance after each (as ours)
+        if (kind != "stock" && wanted(kind + "F:" + tail))
+          vs.push_back({kind + "F:" + tail, [&s, p, tp, hflags, run = se.run] {
                           if (cudaError_t err = run(p, s)) return err;
-                          return tile_rs_finish_emulated(flags, tp, s);
+                          return tile_rs_finish_emulated(hflags, tp, s);
                         }});
       }
+    if (dup)  // the same launch twice, at two positions of a fixed order
+      for (size_t v = 1; v < vs.size(); ++v)
+        if (vs[v].name.rfind("ours:", 0) == 0) {
+          vs.push_back({vs[v].name + "#2", vs[v].run});
+          break;
+        }
     // Correctness against cuBLASLt, and which variants can run this shape.
     __nv_bfloat16* ref_out;
     CK(cudaMalloc(&ref_out, M * N * 2));
@@ -229,7 +308,7 @@ int main(int argc, char** argv) {
       }
       CK(cudaProfilerStop());
       std::printf("\n");
-      cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+      cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(hflags), cudaFree(stage);
       continue;
     }
     // ~5 ms per round of a variant
@@ -247,17 +326,33 @@ int main(int argc, char** argv) {
     for (size_t v = 0; v < vs.size(); ++v)
       for (int i = 0; ok[v] && i < std::max(2, reps / 4); ++i) CK(vs[v].run());
     std::vector<std::vector<float>> ts(vs.size());
-    for (int rep = 0; rep < rounds; ++rep)
-      for (size_t v = 0; v < vs.size(); ++v) {
+    std::vector<std::vector<double>> mhz_end(vs.size()), mhz_start(vs.size());
+    double last_mhz = NAN;
+    std::vector<size_t> order(vs.size());
+    for (int rep = 0; rep < rounds; ++rep) {
+      for (size_t v = 0; v < vs.size(); ++v) order[v] = v;
+      if (shuffle) {
+        std::mt19937 rng(1000u * (unsigned)rep + (unsigned)(M ^ K ^ N));
+        std::shuffle(order.begin(), order.end(), rng);
+      }
+      for (size_t v : order) {
         if (!ok[v]) continue;
         CK(cudaEventRecord(a, s));
         for (int i = 0; i < reps; ++i) CK(vs[v].run());
         CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
+        clock_kernel<<<1, 1, 0, s>>>(dclock);
+        unsigned long long hc[2];
+        CK(cudaMemcpyAsync(hc, dclock, 16, cudaMemcpyDeviceToHost, s));
+        CK(cudaStreamSynchronize(s));
         float ms;
         CK(cudaEventElapsedTime(&ms, a, b));
         ts[v].push_back(ms / reps);
+        const double mhz = hc[1] ? 1e3 * (double)hc[0] / (double)hc[1] : NAN;
+        mhz_end[v].push_back(mhz);
+        if (!std::isnan(last_mhz)) mhz_start[v].push_back(last_mhz);
+        last_mhz = mhz;
       }
+    }
     cudaEventDestroy(a), cudaEventDestroy(b);
     std::vector<double> med(vs.size(), NAN), spread(vs.size(), NAN);
     for (size_t v = 0; v < vs.size(); ++v) {
@@ -267,13 +362,13 @@ int main(int argc, char** argv) {
       spread[v] = (ts[v].back() - ts[v].front()) / med[v];
     }
     const double flop = 2.0 * M * K * N;
-    std::printf("  ref %.4f ms (%.0f%%), %.0f TFLOP/s\n", med[0], 100 * spread[0],
-                flop / med[0] * 1e-9);
+    std::printf("  ref %.4f ms (%.0f%%), %.0f TFLOP/s, MHz start/end %.0f/%.0f\n", med[0],
+                100 * spread[0], flop / med[0] * 1e-9, median(mhz_start[0]), median(mhz_end[0]));
     if (names.empty())
       for (auto& v : vs) names.push_back(v.name), ratios.emplace_back();
     for (size_t v = 1; v < vs.size(); ++v) {
-      std::printf("  %-28s %s %.3f (%.0f%%)\n", vs[v].name.c_str(), ok[v] ? "" : "n/a", med[v] / med[0],
-                  100 * spread[v]);
+      std::printf("  %-30s %s %.3f (%.0f%%) MHz %.0f/%.0f\n", vs[v].name.c_str(), ok[v] ? "" : "n/a",
+                  med[v] / med[0], 100 * spread[v], median(mhz_start[v]), median(mhz_end[v]));
       if (flop >= 1e11 && ok[v] && v < ratios.size()) ratios[v].push_back(med[v] / med[0]);
     }
     if (jf) {
@@ -281,11 +376,18 @@ int main(int argc, char** argv) {
                    first_row ? "" : ",", set, tp, M, K, N);
       for (size_t v = 0; v < vs.size(); ++v)
         if (ok[v]) std::fprintf(jf, "%s\"%s\": %.5f", v ? ", " : "", vs[v].name.c_str(), med[v]);
+      std::fprintf(jf, "}, \"mhz_end\": {");
+      for (size_t v = 0; v < vs.size(); ++v)
+        if (ok[v])
+          std::fprintf(jf, "%s\"%s\": %.0f", v ? ", " : "", vs[v].name.c_str(), median(mhz_end[v]));
+      std::fprintf(jf, "}, \"spread\": {");
+      for (size_t v = 0; v < vs.size(); ++v)
+        if (ok[v]) std::fprintf(jf, "%s\"%s\": %.3f", v ? ", " : "", vs[v].name.c_str(), spread[v]);
       std::fprintf(jf, "}}");
       std::fflush(jf);
       first_row = false;
     }
-    cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(stage);
+    cudaFree(x), cudaFree(w), cudaFree(out), cudaFree(flags), cudaFree(hflags), cudaFree(stage);
   }
   std::fclose(f);
   if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);

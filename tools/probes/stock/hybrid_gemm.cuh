@@ -1,6 +1,8 @@
 // Hybrid kernels of tools/probes/tile_stock_probe.cu: our TileKernel (ffi/kernels/tile_rs.cuh:
 // the same collective mainloop and our TileEpilogue, plain mode 2) with CUTLASS's own persistent
-// tile scheduler in place of ClaimScheduler. One instantiation per file (hyb_<name>.cu).
+// tile scheduler in place of ClaimScheduler (hyb_<name>.cu), or with an experiment variant of
+// ClaimScheduler (var<k>_<name>.cu: tile_sched.cuh's ClaimedTilesVariant<k>). One instantiation
+// per file.
 #pragma once
 
 #include <cutlass/device_kernel.h>
@@ -11,13 +13,16 @@
 
 namespace stock {
 
-template <int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+// kVariant < 0: CUTLASS's PersistentScheduler; else ClaimScheduler's variant kVariant.
+template <int kTileN, int kClusterM, int kClusterN, bool kPingpong, int kVariant = -1>
 struct HybridGemm {
   using Ours = jaxoverlap::tile::TileKernel<cutlass::bfloat16_t, false, kTileN, kClusterM,
                                             kClusterN, kPingpong>;
+  using Tag = std::conditional_t<kVariant < 0, cutlass::gemm::PersistentScheduler,
+                                 jaxoverlap::tile::ClaimedTilesVariant<(kVariant < 0 ? 0 : kVariant),
+                                                                      kPingpong>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
-      cute::Shape<int, int, int, int>, typename Ours::Mainloop, typename Ours::Epilogue,
-      cutlass::gemm::PersistentScheduler>;
+      cute::Shape<int, int, int, int>, typename Ours::Mainloop, typename Ours::Epilogue, Tag>;
 
   static cudaError_t run(const Problem& p, cudaStream_t stream) {
     using namespace jaxoverlap;
@@ -28,19 +33,26 @@ struct HybridGemm {
     for (int r = 0; r < 2; ++r) a.peers.flags[r] = static_cast<Flags*>(p.tile_flags);
     a.x = p.x, a.w = p.w, a.out = p.out, a.m = p.M / 2, a.N = p.N, a.K = p.K;
     a.dtype = DType::kBF16;
-    a.sm_count = p.sm_count, a.swizzle = 1, a.mode = 2, a.stall_rank = -1;
+    a.sm_count = p.sm_count, a.swizzle = kVariant < 0 ? 1 : p.swizzle, a.mode = 2,
+    a.stall_rank = -1;
     const typename Ours::Kernel::Arguments o = Ours::arguments(a);
     typename Kernel::Arguments args{};
     args.mode = o.mode;
     args.problem_shape = o.problem_shape;
     args.mainloop = o.mainloop;
     args.epilogue = o.epilogue;
-    args.epilogue.a.claims = 0;  // CUTLASS's scheduler: the epilogue claims nothing
+    // no counter: the epilogue claims nothing (variant 3: it claims the static order's tiles)
+    args.epilogue.a.claims = kVariant == 3 ? 2 : 0;
     args.hw_info = o.hw_info;
-    args.scheduler.max_swizzle_size = p.swizzle;
-    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-    args.scheduler.raster_order =
-        p.raster == 1 ? Raster::AlongN : p.raster == 2 ? Raster::AlongM : Raster::Heuristic;
+    if constexpr (kVariant < 0) {
+      args.scheduler.max_swizzle_size = p.swizzle;
+      using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+      args.scheduler.raster_order =
+          p.raster == 1 ? Raster::AlongN : p.raster == 2 ? Raster::AlongM : Raster::Heuristic;
+    } else {  // ours: along N, our raster band p.swizzle (decode), our geometry
+      args.scheduler.raster_order = o.scheduler.raster_order;
+      args.scheduler.g = o.scheduler.g;
+    }
     // Launched as TileKernel::launch does (CUTLASS's device adapter wants a stock epilogue).
     static bool loaded = false;
     if (!loaded) {
@@ -74,5 +86,11 @@ struct HybridGemm {
   namespace stock {                                                                       \
   cudaError_t run_##NAME(const Problem& p, cudaStream_t s) {                              \
     return HybridGemm<TN, CM, CN, PP>::run(p, s);                                         \
+  }                                                                                       \
+  }
+#define VARIANT_GEMM(NAME, TN, CM, CN, PP, V)                                              \
+  namespace stock {                                                                       \
+  cudaError_t run_##NAME(const Problem& p, cudaStream_t s) {                              \
+    return HybridGemm<TN, CM, CN, PP, V>::run(p, s);                                      \
   }                                                                                       \
   }

@@ -38,9 +38,20 @@ using Run = cudaError_t (*)(const Problem&, cudaStream_t);
   X(hybpp128x128c1x1, 128, 1, 1, true)       \
   X(hybpp128x128c2x1, 128, 2, 1, true)
 
+// Variants of our scheduler (hybrid_gemm.cuh's VARIANT_GEMM, tile_sched.cuh's ClaimedTilesVariant):
+// our mainloop, epilogue and raster band with ClaimScheduler variant V (1: a static order, no
+// counter and no ring; 2: that order through the claim ring; 3: production's claims and their
+// timing with that order's tiles, no counter). Files hybv<V>_<name>.cu.
+#define VARIANT_LIST(X)                          \
+  X(hybv1_128x256c2x1, 256, 2, 1, false, 1)      \
+  X(hybv1_pp128x128c2x1, 128, 2, 1, true, 1)      \
+  X(hybv2_pp128x128c2x1, 128, 2, 1, true, 2)      \
+  X(hybv3_pp128x128c2x1, 128, 2, 1, true, 3)
+
 #define STOCK_DECLARE(NAME, ...) cudaError_t run_##NAME(const Problem&, cudaStream_t);
 STOCK_LIST(STOCK_DECLARE)
 HYBRID_LIST(STOCK_DECLARE)
+VARIANT_LIST(STOCK_DECLARE)
 #undef STOCK_DECLARE
 
 }  // namespace stock
