@@ -247,3 +247,31 @@ def test_the_ce_sum_exclusion_names_its_two_reads():
     assert hit(kernel + " @ ce.cu:141") and hit(kernel + " @ ce.cu:146")
     assert not hit(kernel + " @ ce.cu:150") and not hit(kernel)
     assert not hit(kernel + " @ ce.cu:141", "Invalid __global__ read of size 16 bytes")
+
+
+def test_training_initcheck_fills_gemm_outputs(tmp_path, monkeypatch):
+    """JAXOVERLAP_SANITIZER_MEMSET=1 (ffi/runtime/gemm.h: each GEMM's output filled before
+    cuBLASLt writes it, which initcheck cannot see) reaches the workers of initcheck over MODE
+    train only; a value in the caller's environment wins."""
+    fake = tmp_path / "compute-sanitizer"
+    seen = tmp_path / "seen"
+    fake.write_text(f'#!/bin/sh\necho "$2 $JAXOVERLAP_SANITIZER_MEMSET" >> {seen}\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: str(fake))
+    monkeypatch.delenv("JAXOVERLAP_SANITIZER_MEMSET", raising=False)
+    for tool, mode in (("initcheck", "train"), ("initcheck", "ops"), ("racecheck", "train")):
+        sanitize.run_tool(tool, mode, str(tmp_path), 10.0, 5.0)
+    monkeypatch.setenv("JAXOVERLAP_SANITIZER_MEMSET", "0")
+    sanitize.run_tool("initcheck", "train", str(tmp_path), 10.0, 5.0)
+    want = ["initcheck 1"] * 2 + ["initcheck 0"] * 2 + ["racecheck 0"] * 2 + ["initcheck 0"] * 2
+    assert seen.read_text().splitlines() == want
+
+
+def test_the_race_canary_ends_each_call_with_the_librarys_finish():
+    """The canary's calls end with launch_finish (kernels/comm.h), which also zeroes the next
+    call's reduce-push ticket counter: a finish of the probe's own that only advanced the epoch
+    made the comm canary's CTAs draw tickets past the grid from the third call on, and the part
+    hung (issue 25, item 2)."""
+    text = open(os.path.join(ROOT, "tools", "probes", "tile_live.cu")).read()
+    assert not re.search(r"__global__ void \w*finish\w*\(", text)
+    assert len(re.findall(r"launch_finish\(", text)) >= 4  # tile, comm, chunked, live

@@ -101,6 +101,20 @@ KERNELS: dict[str, str] = {}
 TRAIN_INITCHECK_FLAGS = ["--kernel-name-exclude", "kns=_fusion", "--check-api-memory-access", "no"]
 
 
+# ... and the GEMM runner fills each GEMM's output (and each cuBLASLt workspace) with 0xFF before
+# cuBLASLt writes it (JAXOVERLAP_SANITIZER_MEMSET=1, ffi/runtime/gemm.h; sanitizer runs only): our
+# kernels' reads of cuBLASLt's outputs (the copy-engine sum's own partial, ce.cu:141) and
+# cuBLASLt's split-K reduce's reads of its workspace were reported once per element -- the flood
+# that kept the training path's initcheck from finishing (issue 25, helper R's calls 2-4) -- and
+# are not after the fill; an element the GEMM failed to write reads as NaN against the reference.
+# Set in the caller's environment (0 or 1), the caller's value wins, in every tool and mode.
+def sanitizer_memset(tool, mode):
+    """JAXOVERLAP_SANITIZER_MEMSET for a run of `tool` over MODE `mode`."""
+    return os.environ.get("JAXOVERLAP_SANITIZER_MEMSET") or (
+        "1" if tool == "initcheck" and mode == "train" else "0"
+    )
+
+
 def _name(text):
     """The function named by ``at <name>+0x...`` (return type dropped)."""
     text = text.split("+0x", 1)[0].split(" in /", 1)[0].strip()
@@ -202,6 +216,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         # A host crash (a signal) prints every thread's Python stack into the worker's .out: in
         # call E two workers died under racecheck/initcheck without a line.
         "PYTHONFAULTHANDLER": "1",
+        "JAXOVERLAP_SANITIZER_MEMSET": sanitizer_memset(tool, mode),
     }
     # initcheck runs with the GEMM search on (issue 25): compute-sanitizer 2025.3.1's initcheck
     # crashed the process (SIGSEGV in its cuMemAllocAsync hook) on the search's stream-ordered
@@ -224,7 +239,8 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         if p not in sanitized:  # the peer runs plainly (--sanitized): its rank is real all the same
             cmd = cmd[cmd.index(sys.executable) :]
         if p == min(sanitized):
-            print("$", " ".join(cmd), flush=True)
+            knob = f"JAXOVERLAP_SANITIZER_MEMSET={env['JAXOVERLAP_SANITIZER_MEMSET']}"
+            print("$", knob, " ".join(cmd), flush=True)
         # Its own process group: at the deadline the sanitizer and the Python worker under it
         # go together (killing the sanitizer alone left the worker running, holding the GPU).
         procs.append(

@@ -70,6 +70,8 @@ std::string GemmRunner::init() {
   if (handle_) return "";
   const char* knob = std::getenv("JAXOVERLAP_GEMM_SEARCH");
   search_ = !(knob && std::strcmp(knob, "0") == 0);
+  const char* fill = std::getenv("JAXOVERLAP_SANITIZER_MEMSET");  // gemm.h: sanitizer runs only
+  sanitizer_memset_ = fill && std::strcmp(fill, "1") == 0;
   int dev = 0, sms = 0;
   cudaDeviceProp prop{};
   if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess &&
@@ -86,6 +88,13 @@ std::string GemmRunner::init() {
   if (cudaError_t e = cudaStreamCreateWithFlags(&scratch_stream_, cudaStreamNonBlocking))
     return std::string("creating the GEMM search's scratch stream failed: ") +
            cudaGetErrorString(e);
+  if (sanitizer_memset_) {  // gemm.h; waited for here: XLA's streams use this workspace
+    if (std::string e = sanitizer_fill(captured_workspace_, workspace_bytes_, scratch_stream_);
+        !e.empty())
+      return e;
+    if (cudaError_t e = cudaStreamSynchronize(scratch_stream_))
+      return std::string("JAXOVERLAP_SANITIZER_MEMSET's fill: ") + cudaGetErrorString(e);
+  }
   for (cudaEvent_t* ev : {&scratch_ready_, &scratch_used_})
     if (cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming))
       return std::string("cudaEventCreate failed: ") + cudaGetErrorString(e);
@@ -146,8 +155,16 @@ std::string GemmRunner::stream_workspace(cudaStream_t stream, void** out) {
     if (cudaError_t e = cudaMalloc(&p, workspace_bytes_))
       return std::string("cudaMalloc of a cuBLASLt workspace failed: ") + cudaGetErrorString(e);
     it = workspaces_.emplace(stream, p).first;
+    if (std::string e = sanitizer_fill(p, workspace_bytes_, stream); !e.empty()) return e;
   }
   *out = it->second;
+  return "";
+}
+
+std::string GemmRunner::sanitizer_fill(void* p, size_t bytes, cudaStream_t stream) const {
+  if (!sanitizer_memset_) return "";
+  if (cudaError_t e = cudaMemsetAsync(p, 0xFF, bytes, stream))
+    return std::string("JAXOVERLAP_SANITIZER_MEMSET's fill: ") + cudaGetErrorString(e);
   return "";
 }
 
@@ -291,7 +308,8 @@ std::string GemmRunner::time_outside_capture(const Plan& p, const GemmShape& s,
       note = std::string("cudaMallocAsync of a cuBLASLt workspace: ") + cudaGetErrorString(e);
       ws = nullptr;
     } else {
-      note = time_candidates(p, s, al, r, found, side, ms, ws);
+      note = sanitizer_fill(ws, workspace_bytes_, side);
+      if (note.empty()) note = time_candidates(p, s, al, r, found, side, ms, ws);
       cudaFreeAsync(ws, side);
     }
     if (cudaError_t e = cudaStreamSynchronize(side); e != cudaSuccess && note.empty())
@@ -425,6 +443,12 @@ std::string GemmRunner::run(const GemmShape& s, const void* a, const void* b, co
   capture_mark("planning a GEMM");
   void* ws = nullptr;
   if (std::string err = stream_workspace(stream, &ws); !err.empty()) return err;
+  // JAXOVERLAP_SANITIZER_MEMSET (gemm.h): D (row-major, leading dimension n) filled first, unless
+  // it is also C (an accumulation in place), which its writer filled or initialised.
+  const int64_t d_bytes = s.m * s.n * (s.f32_out ? 4 : 2);
+  const char *dc = static_cast<const char*>(d), *cc = static_cast<const char*>(cin);
+  if (!s.accumulate || cc + d_bytes <= dc || dc + d_bytes <= cc)
+    if (std::string err = sanitizer_fill(d, d_bytes, stream); !err.empty()) return err;
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
   cudaStreamCaptureStatus before = cudaStreamCaptureStatusNone, after = before;
   cudaStreamIsCapturing(stream, &before);

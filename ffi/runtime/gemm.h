@@ -13,6 +13,13 @@
 // algorithm and the same bits. JAXOVERLAP_GEMM_SEARCH=0 keeps the heuristic's first choice.
 // cuBLASLt's workspace is one per stream: two GEMMs share one only if they are stream-ordered,
 // so no two GEMMs (a warm-up included) ever use the same workspace at once.
+// JAXOVERLAP_SANITIZER_MEMSET=1 (compute-sanitizer initcheck runs only, tools/sanitize.py; never
+// in production): every GEMM's output is filled with 0xFF bytes (NaN in bf16, f16 and f32) on its
+// stream just before the GEMM, and every cuBLASLt workspace when allocated. initcheck does not
+// see the TMA stores cuBLASLt's Hopper GEMMs write with (tools/probes/tma_store_initcheck_probe.cu;
+// issue 25), so without this every later read of a GEMM's output or of cuBLASLt's split-K partials
+// is reported as uninitialised; after the fill it is not, and an element the GEMM failed to write
+// reads as NaN, which every comparison with a reference catches.
 #pragma once
 
 #include <cublasLt.h>
@@ -115,6 +122,10 @@ class GemmRunner {
   // The cache file of a plan ("" when there is no cache directory).
   std::string cache_file(const GemmShape& s, const GemmAlign& al) const;
   bool search_ = true;
+  bool sanitizer_memset_ = false;  // JAXOVERLAP_SANITIZER_MEMSET=1 (above), read in init()
+  // The fill of JAXOVERLAP_SANITIZER_MEMSET: `bytes` at `p` set to 0xFF on `stream` (a no-op
+  // without the knob); "" or why it failed.
+  std::string sanitizer_fill(void* p, size_t bytes, cudaStream_t stream) const;
   std::string device_tag_;  // device name, SM count, cuBLASLt version
   cublasLtHandle_t handle_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;

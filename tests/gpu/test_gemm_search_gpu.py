@@ -6,6 +6,7 @@ fresh process: plans live as long as the process."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,3 +114,42 @@ def test_search_on_a_green_context_stream_under_initcheck(gpus_any, tmp_path):
     assert "ERROR SUMMARY" in text, "initcheck wrote no summary"
     ours, _, api = sanitize.classify(sanitize.findings(text), sanitize.exclusions())
     assert not ours and not api, (ours[:5], api[:5])
+
+
+# The GEMM runner's lone GEMM (128 x 384 x 256 bf16), its output copied to the host.
+ALONE = """
+from jaxoverlap import runtime
+print("RESULT", runtime.native()._gemm_alignment_check(0, 0))
+"""
+
+
+def test_sanitizer_memset_makes_gemm_outputs_initialised_under_initcheck(gpus_any, tmp_path):
+    """Issue 25: initcheck does not see cuBLASLt's (TMA) stores, so the copy of a GEMM's output to
+    the host is reported on every 32-byte granule (3,072 here, helper R's call 2 of 2026-12-02) --
+    the blind spot that flooded the training path's initcheck. JAXOVERLAP_SANITIZER_MEMSET=1
+    (ffi/runtime/gemm.h) fills the output before the GEMM: no report, the same right product.
+    Without it (the control) the reports are there: if a later compute-sanitizer sees TMA stores,
+    this fails and the knob is no longer needed."""
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        if os.environ.get("JAXOVERLAP_REQUIRE_GPU") == "1":
+            pytest.fail("compute-sanitizer not found (JAXOVERLAP_REQUIRE_GPU=1)")
+        pytest.skip("compute-sanitizer not found")
+    reports = {}
+    for knob in ("1", "0"):
+        log = tmp_path / f"initcheck-{knob}.log"
+        env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+               "JAXOVERLAP_SANITIZER_MEMSET": knob}  # fmt: skip
+        cmd = [exe, "--tool", "initcheck", "--print-limit", "10", "--log-file", str(log),
+               sys.executable, "-c", ALONE]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        text = log.read_text() if log.exists() else ""
+        print(knob, p.stdout[-1000:], p.stderr[-1000:], text[-1500:], sep="\n")
+        assert p.returncode == 0, f"exit {p.returncode} under initcheck (knob {knob})"
+        result = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert result and float(result[0].split()[1]) < 1e-2, result
+        summary = re.search(r"ERROR SUMMARY: (\d+) error", text)
+        assert summary, "initcheck wrote no summary"
+        reports[knob] = int(summary.group(1))
+    assert reports["1"] == 0, reports
+    assert reports["0"] > 0, reports  # the blind spot the knob covers (see the docstring)

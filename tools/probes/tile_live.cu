@@ -63,7 +63,11 @@ __global__ void delay_kernel(uint64_t ns) {
   while (global_ns() - t0 < ns) {
   }
 }
-__global__ void finish_kernel(Flags* f) { f->epoch += 1; }
+// Every call ends with the library's finish (launch_finish, kernels/comm.h), as a handler's
+// does: it advances the epoch AND zeroes the next call's ticket counter (Flags::claim), which
+// the reduce-push CTAs count their places in (issue 26, R6). This file's own finish once only
+// advanced the epoch: from the third call on the reduce-push CTAs drew tickets past the grid
+// and the comm canary hung (issue 25; helper Q's calls 1-2 of 2026-12-02).
 
 // The canary's value of source `src`'s piece `piece` of row block `blk` in the call with epoch
 // target e: an integer in [1, 61], so a sum of two is exact in bf16 (< 256) and in f32, and
@@ -242,7 +246,8 @@ struct Pair : Ranks2 {
 };
 
 // A canary run's bookkeeping: the mismatch record, the join events, the clock; every 500 calls
-// (bounded queues; a failure shows early) and at the end, whether a wait gave up.
+// (bounded queues; a failure shows early) and at the end, whether a wait gave up (and after each
+// call, without waiting, the host-mapped error record: no call is launched after a give-up).
 struct Canary {
   Ranks2& g;
   Miss* miss;
@@ -267,6 +272,8 @@ struct Canary {
     if (c % 500 == 499) {
       CK(cudaDeviceSynchronize());
       gave_up = g.hw.report(what);
+    } else if (*(volatile int32_t*)&g.hw.err->set) {  // host-mapped: no launch past a give-up
+      gave_up = true;
     }
   }
   // After the last call: waits for the device, reports a wait that gave up; then the caller prints
@@ -312,8 +319,8 @@ int tl_init() {
   CK(preload_comm_kernels());
   CK(preload_ce_kernels());
   cudaFuncAttributes attr;
-  const void* fns[] = {(const void*)delay_kernel,  (const void*)finish_kernel,
-                       (const void*)canary_fill_x, (const void*)canary_fill_w,
+  const void* fns[] = {(const void*)delay_kernel, (const void*)canary_fill_x,
+                       (const void*)canary_fill_w,
                        (const void*)canary_fill_blocks, (const void*)canary_check};
   for (const void* f : fns) CK(cudaFuncGetAttributes(&attr, f));
   {  // the library's end of an emulated call (kernels/tile_rs.h), loaded here too
@@ -366,7 +373,7 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
       TileRsArgs a = p.tile(r, sms, 0, entry, kSwizzle, wcol);
       CK(launch_tile_rs(a, s));
       CK(launch_release_slots(a.peers, s));
-      finish_kernel<<<1, 1, 0, s>>>(p.flags[r]);
+      CK(launch_finish(p.flags[r], s));
       canary_check<<<grid_for(m * N), 256, 0, s>>>(p.out[r], m, N, fc, e, r, Pair::n, 0, c,
                                                    cn.miss);
     }
@@ -420,7 +427,7 @@ long long tl_canary_comm(int calls, long long elems, int chunks, int ctas, int r
       a.dtype = DType::kBF16;
       CK(launch_comm(a, s));
       CK(launch_release_slots(a.peers, s));
-      finish_kernel<<<1, 1, 0, s>>>(g.flags[r]);
+      CK(launch_finish(g.flags[r], s));
       canary_check<<<grid_for(elems), 256, 0, s>>>(out[r], elems, 1, 1, e, r, n, 1, c, cn.miss);
     }
     cn.end(c, "canary comm");
@@ -520,7 +527,7 @@ long long tl_canary_chunked(int calls, long long elems, int chunks, int senders,
       CK(launch_release_slots(pr, s));
       CK(cudaEventRecord(my[chunks + 1], side[r]));  // the join
       CK(cudaStreamWaitEvent(s, my[chunks + 1]));
-      finish_kernel<<<1, 1, 0, s>>>(g.flags[r]);
+      CK(launch_finish(g.flags[r], s));
       canary_check<<<grid_for(elems), 256, 0, s>>>(out[r], elems, 1, 1, e, r, n, 1, c, cn.miss);
     }
     cn.end(c, "canary chunked");
@@ -585,7 +592,7 @@ int tl_live(long long M, long long K, long long N, const char* cache_dir, double
         CK(launch_tile_rs(a, p.s[r]));
         CK(cudaEventRecord(ev[2 + r], p.s[r]));
         CK(launch_release_slots(a.peers, p.s[r]));
-        finish_kernel<<<1, 1, 0, p.s[r]>>>(p.flags[r]);
+        CK(launch_finish(p.flags[r], p.s[r]));
       }
     }
     CK(cudaEventRecord(ev[5], p.s[1]));

@@ -7,8 +7,9 @@ CPU machine by tools/probes/build_tile_live.sh).
                            block, piece): the tile kernel (every menu entry, both w layouts),
                            the comm kernel's two n = 2 schedules (standalone reduce-scatter),
                            the chunked schedule's pushes (comm kernel, copy engine).
-                           Prints "TILE CANARY ..."; exit 1 on any wrong element or wait that
-                           gave up.
+                           Each part in a child process bounded by --part-timeout-s (60 s;
+                           --parts: a subset). Prints "TILE CANARY ..."; exit 1 on any wrong
+                           element, wait that gave up, or part that did not finish.
   live SHAPES [--json OUT] live waits (issue 24.3): per judged shape (2*M*K*N >= 1e11), two ranks
                            (n = 2) on half the SMs each against two concurrent cuBLASLt GEMMs on
                            half the SMs each; rank 1 late by 0/25/50 us. The own-tile wait is not
@@ -33,6 +34,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,25 +111,54 @@ def geomean(v):
     return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")
 
 
+# The canary's parts: name -> the library call (calls, join_every) -> wrong elements (-1: a wait
+# gave up). The tile kernel: 2 ranks x 1024 rows, N = 1152 (9 flag columns: a 256-wide tile's
+# second half past N), K = 256; the comm kernel: 1 Mi bf16 per block in 4 chunks, 8 CTAs a rank;
+# the chunked schedule's pushes (comm kernel with 4 senders, copy engine): 1 Mi bf16 per block in
+# 4 chunks.
+CANARY_PARTS = {
+    "tile": lambda lib, c, j: lib.tl_canary_tile(c, 1024, 1152, 256, j),
+    "comm reduce-push": lambda lib, c, j: lib.tl_canary_comm(c, 1 << 20, 4, 8, 1, j),
+    "comm senders/receivers": lambda lib, c, j: lib.tl_canary_comm(c, 1 << 20, 4, 8, 0, j),
+    "chunked, comm kernel": lambda lib, c, j: lib.tl_canary_chunked(c, 1 << 20, 4, 4, j),
+    "chunked, copy engine": lambda lib, c, j: lib.tl_canary_chunked(c, 1 << 20, 4, 0, j),
+}
+
+
 def cmd_canary(a, lib):
+    """Each part in a child process of its own (``--part``), bounded by ``--part-timeout-s``: a
+    part that hangs (the comm canary did, issue 25: the probe's finish never zeroed the
+    reduce-push tickets) is reported as such and the others still run."""
+    if a.part:
+        bad = CANARY_PARTS[a.part](lib, a.calls, a.join_every)
+        print(f"PART {a.part}: {bad}", flush=True)
+        return 0
     t0 = time.perf_counter()
-    # The tile kernel: 2 ranks x 1024 rows, N = 1152 (9 flag columns: a 256-wide tile's second
-    # half past N), K = 256; the comm kernel: 1 Mi bf16 per block in 4 chunks, 8 CTAs a rank;
-    # the chunked schedule's pushes (comm kernel with 4 senders, copy engine): 1 Mi bf16 per block
-    # in 4 chunks.
-    results = [
-        ("tile", lib.tl_canary_tile(a.calls, 1024, 1152, 256, a.join_every)),
-        ("comm reduce-push", lib.tl_canary_comm(a.calls, 1 << 20, 4, 8, 1, a.join_every)),
-        ("comm senders/receivers", lib.tl_canary_comm(a.calls, 1 << 20, 4, 8, 0, a.join_every)),
-        ("chunked, comm kernel", lib.tl_canary_chunked(a.calls, 1 << 20, 4, 4, a.join_every)),
-        ("chunked, copy engine", lib.tl_canary_chunked(a.calls, 1 << 20, 4, 0, a.join_every)),
-    ]
-    ok = all(bad == 0 for _, bad in results)
+    results = []
+    for name in a.parts.split(",") if a.parts else CANARY_PARTS:
+        cmd = [sys.executable, os.path.abspath(__file__), "canary", "--part", name,
+               "--calls", str(a.calls), "--join-every", str(a.join_every)]  # fmt: skip
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.part_timeout_s)
+            out = p.stdout + p.stderr
+            got = [ln for ln in out.splitlines() if ln.startswith(f"PART {name}: ")]
+            bad = int(got[-1].rsplit(" ", 1)[1]) if got else None
+            why = None if got else f"no result (exit {p.returncode})"
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout or ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            bad, why = None, f"TIMED OUT after {a.part_timeout_s:.0f} s"
+        print(out.rstrip(), flush=True)
+        results.append((name, bad, why, time.perf_counter() - t))
+    ok = all(bad == 0 for _, bad, _, _ in results)
     print(
         f"TILE CANARY {'PASSED' if ok else 'FAILED'}: "
         + ", ".join(
-            f"{what} {a.calls} calls {'wait gave up' if bad < 0 else f'{bad} wrong'}"
-            for what, bad in results
+            f"{name} {a.calls} calls "
+            + (why if why else "wait gave up" if bad < 0 else f"{bad} wrong")
+            + f" ({dt:.1f} s with start-up)"
+            for name, bad, why, dt in results
         )
         + f" ({time.perf_counter() - t0:.1f} s)"
     )
@@ -374,6 +405,9 @@ def main():
     c = sub.add_parser("canary")
     c.add_argument("--calls", type=int, default=10000)
     c.add_argument("--join-every", type=int, default=4, help="both streams start together every")
+    c.add_argument("--part", help="run this part here (the parent runs each in a child)")
+    c.add_argument("--parts", default="", help="the parts to run, comma-separated (default all)")
+    c.add_argument("--part-timeout-s", type=float, default=60.0, help="each part's bound")
     for name in ("live", "ref"):
         q = sub.add_parser(name)
         q.add_argument("shapes")
@@ -389,6 +423,8 @@ def main():
         import jax
 
         jax.devices()
+    if a.cmd == "canary" and not a.part:  # the parts run in children, each loading the library
+        return cmd_canary(a, None)
     lib = load_lib()
     return {"canary": cmd_canary, "live": cmd_live, "ref": cmd_ref}[a.cmd](a, lib)
 
