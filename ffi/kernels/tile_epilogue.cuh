@@ -7,6 +7,8 @@
 // store. TileCollective plugs it into CUTLASS's warp-specialised kernels. Device code only.
 #pragma once
 
+#include <cuda.h>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/detail.hpp>
@@ -29,6 +31,11 @@ struct EpilogueArgs {
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
+  // epi kTileEpiTensorStores: the TMA tensor maps of the stores (TileKernel::encode_maps, at the
+  // launch): maps[j], j != rank, the staging slot this rank fills on rank j (16-bit [2m, N]: the
+  // two parities' blocks); maps[rank] out as a plain GEMM writes it ([n m, N]; modes 2, 4, 5, 6
+  // only). Kernel parameters (grid constants): TMA reads them in place.
+  CUtensorMap maps[kMaxRanks];
 };
 
 // A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
@@ -63,8 +70,12 @@ class TileEpilogue {
   // plain GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
   // warpgroup's MMA, whose shared memory the lanes' stores contend for -- but on short K its
   // 512 bulk copies per tile cost more than the lanes' stores do (docs/tile-schedule.md).
+  // kTileEpiTensorStores: TMA tensor stores instead (either kernel; asynchronous like the bulk
+  // ones, so bulk() holds for them too: the same waits and fences before a flag).
+  CUTLASS_DEVICE bool tensor() const { return (p_->epi & kTileEpiTensorStores) != 0; }
   CUTLASS_DEVICE bool bulk() const {
-    return kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0;
+    return tensor() ||
+           (kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0);
   }
 
  public:
@@ -155,7 +166,8 @@ class TileEpilogue {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
       const int s = w + 4 * h;  // the slab (16 rows) of the tile
       if (a.mode == 2 || a.mode == 5) {
-        store_slab(sacc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0);
+        store_slab(sacc, a.out + ((row + 16 * s) * a.N + col0) * 2, sm, lane, col0, r,
+                   row + 16 * s);
         continue;
       }
       const int64_t brow = row - j * a.m + 16 * s;  // the slab's first row in its block
@@ -173,9 +185,12 @@ class TileEpilogue {
           freed_ |= 1u << j;
         }
         char* dst_slot = a.peers.stage[j] + slot * a.slot_bytes;
-        char* dst = a.mode == 4 || a.mode == 6 ? a.out + ((row + 16 * s) * a.N + col0) * 2
-                                : dst_slot + parity + (brow * a.N + col0) * 2;
-        store_slab(sacc, dst, sm, lane, col0);
+        const bool to_out = a.mode == 4 || a.mode == 6;
+        char* dst = to_out ? a.out + ((row + 16 * s) * a.N + col0) * 2
+                           : dst_slot + parity + (brow * a.N + col0) * 2;
+        // tensor stores: out's map at the tile's row, or the slot's at its parity's block row
+        store_slab(sacc, dst, sm, lane, col0, to_out ? r : j,
+                   to_out ? row + 16 * s : (int64_t)(e_ & 1u) * a.m + brow);
         if ((a.mode == 0 || a.mode == 7) && r != a.stall_rank) {
           pending_[h] = tile_slab_flags(dst_slot, a.m, a.N) + flag0;
           pending_n_ = nflags;
@@ -298,9 +313,14 @@ class TileEpilogue {
     return ok != 0;
   }
 
+  // dst: the slab's first element; map, mrow: its tensor map (EpilogueArgs::maps) and row there.
   template <class Acc>
-  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0) {
-    if (bulk())
+  CUTLASS_DEVICE void store_slab(Acc& acc, char* dst, float* smf, int lane, int64_t col0, int map,
+                                 int64_t mrow) {
+    if (tensor())
+      Slab::store_tensor(acc, &p_->maps[map], (int32_t)col0, (int32_t)mrow, smf, lane, p_->N,
+                         chunk_);
+    else if (bulk())
       Slab::store_bulk(acc, dst, smf, lane, col0, p_->N, chunk_);
     else
       Slab::store_lanes(acc, dst, smf, lane, col0, p_->N);

@@ -17,6 +17,8 @@
 // (common.cuh). Device code only; included by the instantiation files tile_rs_*.cu.
 #pragma once
 
+#include <cudaTypedefs.h>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/detail.hpp>
@@ -31,6 +33,34 @@
 #include "kernels/tile_sched.cuh"
 
 namespace jaxoverlap::tile {
+
+// cuTensorMapEncodeTiled from the driver, looked up once (the runtime links no libcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The tensor maps of epi kTileEpiTensorStores (EpilogueArgs::maps): a 16-bit [rows, N] row-major
+// matrix at base, 16 x 32 boxes, 64-byte swizzle (tile_slab.cuh's store_tensor).
+inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, int64_t N) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (!encode) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)N * 2};
+  const cuuint32_t box[2] = {32, 16}, elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, base, dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                            CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
 
 // One menu entry: tiles 128 x kTileN (256 or 128), clusters of kClusterM x kClusterN CTAs (along
 // M they share w's tile, along N x's). Cooperative: the two consumer warpgroups share each tile
@@ -119,6 +149,24 @@ struct TileKernel {
     return args;
   }
 
+  // epi kTileEpiTensorStores: the stores' tensor maps (EpilogueArgs::maps), else nothing. The
+  // staging slot this rank fills on rank j holds the block of both epoch parities one after the
+  // other: one map of 2m rows, the parity chosen by the row (TileEpilogue).
+  static cudaError_t encode_maps(const TileRsArgs& a, EpilogueArgs& e) {
+    if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
+    const int n = a.peers.n, r = a.peers.rank;
+    const bool to_out = a.mode == 2 || a.mode == 4 || a.mode == 5 || a.mode == 6;
+    if (to_out)
+      if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N)) return err;
+    if (a.mode == 2 || a.mode == 5) return cudaSuccess;
+    for (int j = 0; j < n; ++j)
+      if (j != r)
+        if (cudaError_t err = encode_store_map(
+                &e.maps[j], a.peers.stage[j] + stage_slot(r, j, n) * a.slot_bytes, 2 * a.m, a.N))
+          return err;
+    return cudaSuccess;
+  }
+
   // The launch configuration of `params` (cluster attribute in *cluster).
   static cudaLaunchConfig_t config(typename Kernel::Params const& params, cudaStream_t stream,
                                    cudaLaunchAttribute* cluster) {
@@ -140,6 +188,7 @@ struct TileKernel {
   // on the GPU (the kernel must be loaded: preload). cudaSuccess or why not.
   static cudaError_t check(const TileRsArgs& a) {
     typename Kernel::Arguments args = arguments(a);
+    if (cudaError_t e = encode_maps(a, args.epilogue.a)) return e;
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
     if (kClusterM * kClusterN == 1) return cudaSuccess;
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
@@ -154,6 +203,7 @@ struct TileKernel {
 
   static cudaError_t launch(const TileRsArgs& a, cudaStream_t stream) {
     typename Kernel::Arguments args = arguments(a);
+    if (cudaError_t e = encode_maps(a, args.epilogue.a)) return e;
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
     cudaLaunchAttribute cluster;

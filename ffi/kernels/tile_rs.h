@@ -66,8 +66,14 @@ struct TileRsArgs {
 // (measured slower everywhere: tools only). (Two more bits, an own slab's L2 prefetch at its
 // epilogue's start and flags every second foreign tile, were measured and dropped on 2026-12-02:
 // docs/measurements.md, "The tile epilogue's store path as a runtime choice".)
+// TensorStores (issue 23/24, 2026-12-03): foreign and plain slabs leave by TMA *tensor* stores, as
+// stock CUTLASS's epilogue does -- one cp.async.bulk.tensor per 16 x 32 chunk (lane 0 of the warp)
+// from a 64-byte-swizzled shared buffer, through a tensor map per destination (each peer's
+// staging slot, both parities as rows 0..2m, or out) encoded at the launch -- instead of 16 row
+// copies per chunk; overrides the other two bits.
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
+constexpr int32_t kTileEpiTensorStores = 4;
 
 // Flags of one rank's block: one per 16 rows x kFlagCols columns (row-major over the block), the
 // same for every menu entry (a 256-column tile publishes and waits for two per slab), so the

@@ -51,6 +51,12 @@ __device__ __forceinline__ uint32_t unit_off(int row, int piece) {  // byte offs
   return row * 64 + ((piece ^ ((row >> 1) & 3)) << 4);
 }
 
+// CU_TENSOR_MAP_SWIZZLE_64B as TMA applies it: the 16-byte piece (address bits 4-5) XOR bits
+// 7-8 of the absolute shared address (unit_off for a 512-byte-aligned unit).
+__device__ __forceinline__ uint32_t tensor_swz(uint32_t addr) {
+  return addr ^ (((addr >> 7) & 3u) << 4);
+}
+
 // The loads of an own slab's peer units -- chunk c (32 columns) of source s, c-major, s in rank
 // order -- into a warp's unit buffers (unit u in buffer u % kUnitBufs): each next() loads one
 // (the lane's 32 bytes of its row, 16 at a time) and commits it as one cp.async group of every
@@ -237,6 +243,54 @@ struct SlabIO {
                      : "memory");
       }
       tma_commit();
+    }
+  }
+
+  // Rounds the slab to 16 bits and stores it by TMA tensor stores (TileRsArgs::epi
+  // kTileEpiTensorStores), 32 columns at a time: the warp writes the chunk into its next unit
+  // buffer (1 KiB, kUnitBufs per warp, aliasing the chunk buffers) in the layout of
+  // CU_TENSOR_MAP_SWIZZLE_64B (stmatrix: 64-byte rows, 16-byte pieces XOR-swizzled by address bits
+  // 7-8, which TMA takes from the absolute shared address: tensor_swz), and lane 0 issues one
+  // cp.async.bulk.tensor store of the 16 x 32 box at (x0 + 32 c, y0) of `map` (columns past N
+  // are clipped by TMA: partial tiles need nothing) -- one TMA operation per chunk instead of 16
+  // row copies. Each chunk is one bulk group of lane 0; a buffer is written again kUnitBufs
+  // chunks later, after lane 0's wait_group.read and __syncwarp. Nothing waits for the stores to
+  // land (TileEpilogue::flush does, in lane 0, the only issuer, before its release).
+  template <class Acc>
+  CUTLASS_DEVICE static void store_tensor(Acc& acc, const void* map, int32_t x0, int32_t y0,
+                                          float* smf, int lane, int64_t N, uint32_t& chunk) {
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
+    const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kTileN / 32; ++c) {
+      if (x0 + 32 * c >= N) break;  // warp-uniform
+      const uint32_t buf = sbase + (chunk % kUnitBufs) * kUnitBytes;
+      ++chunk;
+      if (lane == 0) tma_wait_read<kUnitBufs - 1>();  // the store that used this buffer read it
+      __syncwarp();
+      CUTLASS_PRAGMA_UNROLL
+      for (int gp = 0; gp < 2; ++gp) {
+        uint32_t r[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < 4; ++mi) {
+          const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                         tensor_swz(buf + mrow * 64 + 16 * (2 * gp + mpiece))),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA
+      __syncwarp();
+      if (lane == 0) {
+        asm volatile(
+            "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                map),
+            "r"(x0 + 32 * c), "r"(y0), "r"(buf)
+            : "memory");
+        tma_commit();
+      }
     }
   }
 

@@ -10,7 +10,8 @@
 #   quicker build while iterating on one or two entries (each is two ~1-2 min instantiations)
 #   STOCK=1: also build/probes/tile_stock_probe (tools/probes/tile_stock_probe.cu: stock CUTLASS
 #   GEMMs, tools/probes/stock/stock_*.cu and hyb*.cu, one ~1-2 min instantiation each, against the
-#   menu as plain GEMMs and cuBLASLt; linked with the same objects)
+#   menu as plain GEMMs and cuBLASLt; linked with the same objects); with NOHYB=1 the stock
+#   kernels only (no hybrids or scheduler variants, which recompile with our headers)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -65,13 +66,23 @@ if [[ -n ${STOCK:-} ]]; then
   snewest=$(ls -t tools/probes/stock/*.h tools/probes/stock/*.cuh | head -1)
   hnewest=$(ls -t "$snewest" "$newest" | head -1)
   ssrcs=(tools/probes/stock/stock_*.cu tools/probes/stock/hyb*.cu tools/probes/tile_stock_probe.cu)
+  SF=()
+  if [[ -n ${NOHYB:-} ]]; then
+    ssrcs=(tools/probes/stock/stock_*.cu tools/probes/tile_stock_probe.cu)
+    SF=(-DJAXOVERLAP_STOCK_NO_HYBRIDS)
+  fi
+  # the probe's object follows NOHYB (its variant list)
+  if [[ "$(cat "$SOBJ/flags" 2>/dev/null)" != "${SF[*]:-}" ]]; then
+    rm -f "$SOBJ/tile_stock_probe.cu.o"
+    echo "${SF[*]:-}" >"$SOBJ/flags"
+  fi
   for s in "${ssrcs[@]}"; do
     o="$SOBJ/$(basename "$s").o"
     dep=$hnewest
     [[ $s == */stock_*.cu ]] && dep=$snewest
     [[ -f $o && $o -nt $s && $o -nt $dep ]] && continue
     while (($(jobs -rp | wc -l) >= JOBS)); do wait -n; done
-    nvcc "${F[@]}" -Itools/probes -x cu -c "$s" -o "$o" &
+    nvcc "${F[@]}" ${SF[@]+"${SF[@]}"} -Itools/probes -x cu -c "$s" -o "$o" &
   done
   while (($(jobs -rp | wc -l) > 0)); do wait -n || exit 1; done
   sobjs=()

@@ -25,6 +25,8 @@
 //   sample before them ("start").
 //   --only A,B,...: only the variants whose name contains one of the substrings (and ref);
 //   --dup: the first "ours" variant twice (named ...#2): the same launch, two positions.
+//   --epi V,W,...: "ours" with each TileRsArgs::epi value (default 0; named ours:E/swS/epiV for
+//   V != 0; e.g. 4 = kTileEpiTensorStores, 1 = the ping-pong entries' lanes' stores).
 //   --prof: no timing; per shape one launch of cuBLASLt, ours at band 8 and stock at swizzle 1
 //   between cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
 //   Build: STOCK=1 tools/probes/build_tile_rs_probe.sh (CPU machine).
@@ -113,13 +115,14 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
     std::printf("usage: tile_stock_probe FILE [--json OUT] [--rounds R] [--order shuffle|fixed] "
-                "[--only A,B,...] [--dup] [--prof]\n");
+                "[--only A,B,...] [--dup] [--epi V,W,...] [--prof]\n");
     return 2;
   }
   const char* json = nullptr;
   int rounds = 9;
   bool prof = false, shuffle = true, dup = false;
   std::vector<std::string> only;
+  std::vector<int> epis = {0};
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--prof") prof = true;
@@ -127,6 +130,14 @@ int main(int argc, char** argv) {
     else if (arg == "--json" && i + 1 < argc) json = argv[++i];
     else if (arg == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (arg == "--order" && i + 1 < argc) shuffle = std::string(argv[++i]) != "fixed";
+    else if (arg == "--epi" && i + 1 < argc) {
+      epis.clear();
+      for (const char* c = argv[++i]; *c;) {
+        epis.push_back(std::atoi(c));
+        while (*c && *c != ',') ++c;
+        if (*c) ++c;
+      }
+    }
     else if (arg == "--only" && i + 1 < argc) {
       std::string l = argv[++i];
       for (size_t a = 0, b; a <= l.size(); a = b + 1) {
@@ -213,7 +224,8 @@ int main(int argc, char** argv) {
                     return e.empty() ? cudaSuccess : cudaErrorUnknown;
                   }});
     for (int e = 0; e < E; ++e)
-      for (int sw : {1, 8}) {
+      for (int sw : {1, 8})
+      for (int epi : epis) {
         TileRsArgs a{};
         a.peers.n = tp;
         a.peers.rank = 0;
@@ -224,11 +236,12 @@ int main(int argc, char** argv) {
         a.slot_bytes = tile_rs_slot_bytes(m, N);
         a.sm_count = sms, a.swizzle = sw, a.entry = e, a.mode = 2, a.stall_rank = -1;
         a.op = kOpGemmRs;
+        a.epi = epi;
         a.timeout_ns = 2000000000ull;
-        if (!wanted(std::string("ours:") + tile_rs_entry_name(e) + "/sw" + std::to_string(sw)))
-          continue;
-        vs.push_back({std::string("ours:") + tile_rs_entry_name(e) + "/sw" + std::to_string(sw),
-                      [&, a] {
+        const std::string name = std::string("ours:") + tile_rs_entry_name(e) + "/sw" +
+                                 std::to_string(sw) + (epi ? "/epi" + std::to_string(epi) : "");
+        if (!wanted(name)) continue;
+        vs.push_back({name, [&, a] {
                         if (cudaError_t err = launch_tile_rs(a, s)) return err;
                         return tile_rs_finish_emulated(flags, tp, s);
                       }});

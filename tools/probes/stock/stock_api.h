@@ -48,6 +48,15 @@ using Run = cudaError_t (*)(const Problem&, cudaStream_t);
   X(hybv2_pp128x128c2x1, 128, 2, 1, true, 2)      \
   X(hybv3_pp128x128c2x1, 128, 2, 1, true, 3)
 
+// NOHYB=1 builds (tools/probes/build_tile_rs_probe.sh): stock kernels only, no hybrids or
+// variants (they recompile with every change of our kernel's headers).
+#ifdef JAXOVERLAP_STOCK_NO_HYBRIDS
+#undef HYBRID_LIST
+#undef VARIANT_LIST
+#define HYBRID_LIST(X)
+#define VARIANT_LIST(X)
+#endif
+
 #define STOCK_DECLARE(NAME, ...) cudaError_t run_##NAME(const Problem&, cudaStream_t);
 STOCK_LIST(STOCK_DECLARE)
 HYBRID_LIST(STOCK_DECLARE)
