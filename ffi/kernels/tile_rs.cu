@@ -39,7 +39,7 @@ namespace {
 // every entry per shape).
 struct Entry {
   const char* name;
-  int32_t alt_epi;  // the epilogue variant the selection also times (tile_rs_entry_alt_epi)
+  int32_t alt_epi;  // the epilogue variants the selection also times (tile_rs_entry_alt_epi)
   TilePreload preload[2];  // [w_colmajor]
   TileCheck check[2];
   TileLaunch launch[2];
@@ -73,12 +73,12 @@ const Entry kMenu[] = {
     // foreign tiles' stores to the peers, the own tiles' adds of their slabs) runs under the
     // other's MMA (cuBLASLt's kernel on 8192 x 2048 x 4096 is a one-warpgroup-per-tile 128 x 160
     // one with a 2x1 cluster: nvjet_sm90_tst_128x160_64x5_2x1, ncu in docs/measurements.md).
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1", e3, kTileEpiLaneStores | kTileEpiTensorStores),
 #endif
 #if JAXOVERLAP_TILE_IN(4)
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
     // tiles are ping-pong 128 x N, cluster 2x1).
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4, kTileEpiLaneStores | kTileEpiTensorStores),
 #endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY

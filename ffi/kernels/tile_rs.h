@@ -94,7 +94,8 @@ std::string tile_rs_unsupported(DType dtype, int n, int64_t m, int64_t N, int64_
 // The menu (tile_rs.cu): entries 0 .. tile_rs_menu_size() - 1, entry 0 the default.
 int tile_rs_menu_size();
 const char* tile_rs_entry_name(int entry);  // e.g. "128x256c2x1"
-// The epi bits the selection also times for an entry (its other store path; 0: none).
+// The epilogue variants the selection also times for an entry, one bit each (each alone beside
+// epi 0: its other store paths; 0: none).
 int32_t tile_rs_entry_alt_epi(int entry);
 // Loads one entry's kernel on the current device and sets its shared-memory limit (outside any
 // capture; DESIGN.md decision 5: before a kernel of ours can spin). Idempotent, thread-safe.

@@ -80,7 +80,8 @@ bool read_choice(const std::string& path, TileChoice* c) {
   if (!ok || swizzle < 1 || swizzle > 64 || epi < 0) return false;
   for (int e = 0; e < tile_rs_menu_size(); ++e)
     if (std::string(name) == tile_rs_entry_name(e)) {
-      if (epi & ~(tile_rs_entry_alt_epi(e))) return false;  // not a variant this entry times
+      // one of the variants this entry times: 0 or a single bit of its alternatives
+      if ((epi & (epi - 1)) || (epi & ~tile_rs_entry_alt_epi(e))) return false;
       c->entry = e, c->swizzle = swizzle, c->ms = ms, c->ms_default = ms0, c->timed = 0;
       c->epi = epi;
       return true;
@@ -203,7 +204,9 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     for (int e = 0; e < tile_rs_menu_size() && note.empty(); ++e) {
       ms[e] = time_one(e, call.swizzle, 0);
       ++out->timed;
-      if (const int alt = tile_rs_entry_alt_epi(e); alt && note.empty()) {
+      // each alternative variant (a bit of tile_rs_entry_alt_epi) alone
+      for (int alt = 1; alt <= tile_rs_entry_alt_epi(e) && note.empty(); alt <<= 1) {
+        if (!(tile_rs_entry_alt_epi(e) & alt)) continue;
         const float t = time_one(e, call.swizzle, alt);
         ++out->timed;
         if (t < 0.99f * ms[e]) ms[e] = t, epi[e] = alt;
