@@ -36,6 +36,9 @@ struct EpilogueArgs {
   // two parities' blocks); maps[rank] out as a plain GEMM writes it ([n m, N]; modes 2, 4, 5, 6
   // only). Kernel parameters (grid constants): TMA reads them in place.
   CUtensorMap maps[kMaxRanks];
+  // epi kTileEpiTensorLoads: loads[i], the staging slot i of this rank (16-bit [2m, N], what
+  // source rank + 1 + i sends), for the own tiles' TMA loads of their peer slabs.
+  CUtensorMap loads[kMaxRanks - 1];
 };
 
 // A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
@@ -94,6 +97,8 @@ class TileEpilogue {
 
   struct SharedStorage {
     alignas(128) float slab[kTileSlabs][kSlabWords];  // one per consumer warp
+    // epi kTileEpiTensorLoads: each warp's unit buffers' mbarriers (a multiple of 128 bytes)
+    alignas(128) uint64_t mbar[kTileSlabs][kUnitBufs];
   };
   struct Arguments {
     EpilogueArgs a;
@@ -216,8 +221,26 @@ class TileEpilogue {
       drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 || a.mode == 6 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
-      Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm, lane,
-                      col0, a.N);
+      if (a.epi & kTileEpiTensorLoads) {
+        uint64_t* mbar =
+            reinterpret_cast<SharedStorage*>(smem)->mbar[kPingpong ? threadIdx.x / 32 - 4 : w];
+        if (!mbar_ready_) {  // the warp's first own slab: its mbarriers
+          if (lane == 0) {
+            for (int b = 0; b < kUnitBufs; ++b) mbar_init(mbar + b, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          }
+          __syncwarp();
+          mbar_ready_ = true;
+        }
+        Slab::template sum_store<true>(sacc, first, a.slot_bytes, summed,
+                                       a.out + (brow * a.N + col0) * 2, sm, lane, col0, a.N,
+                                       a.loads, (int32_t)((e_ & 1u) * a.m + brow), mbar,
+                                       &mphase_);
+      } else {
+        Slab::sum_store(sacc, first, a.slot_bytes, summed, a.out + (brow * a.N + col0) * 2, sm,
+                        lane, col0, a.N);
+      }
     }
     // The release waits for the slabs' stores to land: a tile late when the warp's next tile is
     // foreign (an MMA runs meanwhile), at once when the next is own (it waits for its peers
@@ -342,6 +365,8 @@ class TileEpilogue {
   int pending_n_ = 0;
   uint32_t freed_ = 0;         // peers whose staging slot this warp found released
   uint32_t chunk_ = 0;         // chunks this warp has bulk-stored (its next buffer: % kChunkBufs)
+  uint32_t mphase_ = 0;        // TMA loads: bit b = the next parity of unit buffer b's mbarrier
+  bool mbar_ready_ = false;    // TMA loads: the warp's mbarriers are initialised
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
 };
 

@@ -48,7 +48,7 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The tensor maps of epi kTileEpiTensorStores (EpilogueArgs::maps): a 16-bit [rows, N] row-major
+// The tensor maps of epi kTileEpiTensorStores / Loads (EpilogueArgs::maps, loads): a 16-bit [rows, N] row-major
 // matrix at base, 16 x 32 boxes, 64-byte swizzle (tile_slab.cuh's store_tensor).
 inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, int64_t N) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
@@ -153,8 +153,13 @@ struct TileKernel {
   // staging slot this rank fills on rank j holds the block of both epoch parities one after the
   // other: one map of 2m rows, the parity chosen by the row (TileEpilogue).
   static cudaError_t encode_maps(const TileRsArgs& a, EpilogueArgs& e) {
-    if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
     const int n = a.peers.n, r = a.peers.rank;
+    if ((a.epi & kTileEpiTensorLoads) && a.mode != 2 && a.mode != 5)
+      for (int i = 0; i < n - 1; ++i)
+        if (cudaError_t err = encode_store_map(&e.loads[i], a.peers.stage[r] + i * a.slot_bytes,
+                                               2 * a.m, a.N))
+          return err;
+    if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
     const bool to_out = a.mode == 2 || a.mode == 4 || a.mode == 5 || a.mode == 6;
     if (to_out)
       if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N)) return err;

@@ -74,6 +74,10 @@ struct TileRsArgs {
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
 constexpr int32_t kTileEpiTensorStores = 4;
+// TensorLoads (2026-12-03): an own slab's peer units come by TMA tensor loads (lane 0, one per
+// 16 x 32 unit, completing on an mbarrier per unit buffer) instead of every lane's cp.async; the
+// same bytes added in the same order.
+constexpr int32_t kTileEpiTensorLoads = 8;
 
 // Flags of one rank's block: one per 16 rows x kFlagCols columns (row-major over the block), the
 // same for every menu entry (a 256-column tile publishes and waits for two per slab), so the

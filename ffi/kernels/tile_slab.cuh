@@ -7,6 +7,7 @@
 // code only.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -94,6 +95,35 @@ struct UnitLoader {
   }
 };
 
+// The same loads by TMA (TileRsArgs::epi kTileEpiTensorLoads): lane 0 issues one
+// cp.async.bulk.tensor load per unit (the 16 x 32 box of source s's map at (x0 + 32 c, y0); the
+// map's 64-byte swizzle is unit_off's, tensor_swz) into its buffer, completing on the buffer's
+// mbarrier (1 KiB of transactions; columns past N arrive as zeros, added to columns never
+// stored). No lane holds or issues anything else while they fly.
+struct TmaUnitLoader {
+  const CUtensorMap* maps;  // source s: maps[s]
+  uint32_t sbase, mbar;     // the warp's unit buffers and their mbarriers (shared addresses)
+  int32_t x0, y0;
+  int count, chunks, lane, ic = 0, is = 0, iu = 0;
+  CUTLASS_DEVICE void next() {
+    if (ic < chunks) {
+      if (lane == 0) {
+        const uint32_t b = iu % kUnitBufs, bar = mbar + 8 * b;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                     "r"(kUnitBytes)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3}], [%4];" ::"r"(sbase + b * kUnitBytes),
+            "l"(maps + is), "r"(x0 + 32 * ic), "r"(y0), "r"(bar)
+            : "memory");
+      }
+      ++iu;
+      if (++is == count) is = 0, ++ic;
+    }
+  }
+};
+
 // 16-bit float helpers of the epilogue.
 template <class T>
 struct Half2;
@@ -128,16 +158,38 @@ struct SlabIO {
   // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
   // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
   // so that each pair of lanes stores one row's 64 contiguous bytes.
-  template <class Acc>
+  //
+  // kTma (TileRsArgs::epi kTileEpiTensorLoads): the units come by TMA (TmaUnitLoader: source s
+  // from maps[s] at row y0), completing on the warp's mbarriers mbar[kUnitBufs], whose phases
+  // the warp tracks in *phase (bit b: buffer b's next parity); the units then sit at
+  // tensor_swz(unit_off) -- the same bytes where the buffers are 512-byte aligned.
+  template <bool kTma = false, class Acc>
   CUTLASS_DEVICE static void sum_store(Acc& acc, const char* src0, int64_t stride, int count,
                                        char* dst, float* smf, int lane, int64_t col0,
-                                       int64_t N) {
+                                       int64_t N, const CUtensorMap* maps = nullptr,
+                                       int32_t y0 = 0, uint64_t* mbar = nullptr,
+                                       uint32_t* phase = nullptr) {
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     const int64_t left = N - col0;  // the tile's columns inside the problem
     const int chunks = (int)min((int64_t)(kTileN / 32), (left + 31) / 32);
     const int lrow = lane >> 1, lhalf = lane & 1;  // the lane's row and 32 bytes of a unit
     const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;  // ldmatrix rows
-    UnitLoader ld(src0, stride, count, N, col0, kTileN, sbase, lane);
+    // the unit buffers' swizzle: unit_off's, or TMA's from the absolute address
+    auto uaddr = [&](uint32_t buf, int row, int piece) -> uint32_t {
+      return kTma ? tensor_swz(buf + row * 64 + 16 * piece) : buf + unit_off(row, piece);
+    };
+    const uint32_t mbase = kTma ? (uint32_t)__cvta_generic_to_shared(mbar) : 0u;
+    using Loader = std::conditional_t<kTma, TmaUnitLoader, UnitLoader>;
+    Loader ld = [&] {
+      if constexpr (kTma) {
+        if (count > 0 && lane == 0)  // the flags' acquires (generic proxy) before TMA's reads
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+        return TmaUnitLoader{maps, sbase, mbase, (int32_t)col0, y0, count,
+                             count > 0 ? chunks : 0, lane};
+      } else {
+        return UnitLoader(src0, stride, count, N, col0, kTileN, sbase, lane);
+      }
+    }();
     if (count > 0)
       for (int u = 0; u < kUnitBufs - 1; ++u) ld.next();
     int u = 0;
@@ -147,15 +199,21 @@ struct SlabIO {
 #pragma unroll 1
       for (int s = 0; s < count; ++s, ++u) {
         ld.next();  // unit u + kUnitBufs - 1, into the buffer unit u - 1 left
-        asm volatile("cp.async.wait_group %0;" ::"n"(kUnitBufs - 1) : "memory");
-        __syncwarp();  // unit u: every lane's pieces
+        if constexpr (kTma) {
+          const uint32_t b = u % kUnitBufs;
+          mbar_wait(mbar + b, (*phase >> b) & 1u);  // unit u has landed
+          *phase ^= 1u << b;
+        } else {
+          asm volatile("cp.async.wait_group %0;" ::"n"(kUnitBufs - 1) : "memory");
+          __syncwarp();  // unit u: every lane's pieces
+        }
         const uint32_t buf = sbase + (u % kUnitBufs) * kUnitBytes;
         CUTLASS_PRAGMA_UNROLL
         for (int gp = 0; gp < 2; ++gp) {
           uint32_t r[4];
           asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                       : "r"(buf + unit_off(mrow, 2 * gp + mpiece))
+                       : "r"(uaddr(buf, mrow, 2 * gp + mpiece))
                        : "memory");
           CUTLASS_PRAGMA_UNROLL
           for (int mi = 0; mi < 4; ++mi) {
@@ -178,7 +236,7 @@ struct SlabIO {
           r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
         }
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                         obuf + unit_off(mrow, 2 * gp + mpiece)),
+                         uaddr(obuf, mrow, 2 * gp + mpiece)),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
       }
@@ -190,14 +248,15 @@ struct SlabIO {
           uint4 v;
           asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                       : "r"(obuf + unit_off(lrow, 2 * lhalf + i))
+                       : "r"(uaddr(obuf, lrow, 2 * lhalf + i))
                        : "memory");
           *reinterpret_cast<uint4*>(dst + (lrow * N + col) * 2) = v;
         }
       }
       __syncwarp();
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");  // the look-ahead's empty groups
+    if constexpr (!kTma)
+      asm volatile("cp.async.wait_group 0;" ::: "memory");  // the look-ahead's empty groups
   }
 
   // Rounds the slab to 16 bits and stores it at dst (row pitch N) asynchronously, kChunkCols

@@ -417,8 +417,10 @@ int main(int argc, char** argv) {
         // The epilogue's variants (every kTileEpi* bit: the other store path) change no value:
         // the same bits as the default. Mixed
         // entries: the odd ranks run them; one entry: every rank.
-        // (kTileEpiTensorStores overrides the other bits: a second pass.)
-        for (int var : {kEpiAll, (int)kTileEpiTensorStores}) {
+        // (kTileEpiTensorStores overrides the other store bits: passes of their own; the TMA loads
+        // with the lanes' stores.)
+        for (int var : {kEpiAll, (int)kTileEpiTensorStores,
+                        (int)(kTileEpiTensorLoads | kTileEpiLaneStores)}) {
           int epis[kMaxRanks];
           for (int r = 0; r < c.n; ++r) epis[r] = e == -2 && r % 2 == 0 ? 0 : var;
           std::vector<uint16_t> got2;
