@@ -73,9 +73,21 @@ class TileEpilogue {
   // plain GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
   // warpgroup's MMA, whose shared memory the lanes' stores contend for -- but on short K its
   // 512 bulk copies per tile cost more than the lanes' stores do (docs/tile-schedule.md).
-  // kTileEpiTensorStores: TMA tensor stores instead (either kernel; asynchronous like the bulk
-  // ones, so bulk() holds for them too: the same waits and fences before a flag).
-  CUTLASS_DEVICE bool tensor() const { return (p_->epi & kTileEpiTensorStores) != 0; }
+  // kTileEpiTensorStores: TMA tensor stores instead (asynchronous like the bulk ones, so bulk()
+  // holds for them too: the same waits and fences before a flag); kTileEpiTensorLoads: the own
+  // slabs' peer units by TMA loads. Compiled into the ping-pong kernels only (the bits do nothing
+  // in a cooperative one): both paths together cost the cooperative kernel 28 bytes of spills,
+  // and its selection does not time them (JAXOVERLAP_TILE_TENSOR_COOP=1: probe builds that do).
+#ifndef JAXOVERLAP_TILE_TENSOR_COOP
+#define JAXOVERLAP_TILE_TENSOR_COOP 0
+#endif
+  static constexpr bool kTensorPaths = kPingpong || JAXOVERLAP_TILE_TENSOR_COOP;
+  CUTLASS_DEVICE bool tensor() const {
+    return kTensorPaths && (p_->epi & kTileEpiTensorStores) != 0;
+  }
+  CUTLASS_DEVICE bool tensor_loads() const {
+    return kTensorPaths && (p_->epi & kTileEpiTensorLoads) != 0;
+  }
   CUTLASS_DEVICE bool bulk() const {
     return tensor() ||
            (kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0);
@@ -221,7 +233,7 @@ class TileEpilogue {
       drain_reads();  // the warp's buffers: no bulk store still reads them
       const int summed = a.mode == 3 || a.mode == 4 || a.mode == 6 ? 0 : n - 1;  // tools: no adds
       const char* first = a.peers.stage[r] + parity + (brow * a.N + col0) * 2;
-      if (a.epi & kTileEpiTensorLoads) {
+      if (tensor_loads()) {
         uint64_t* mbar =
             reinterpret_cast<SharedStorage*>(smem)->mbar[kPingpong ? threadIdx.x / 32 - 4 : w];
         if (!mbar_ready_) {  // the warp's first own slab: its mbarriers
