@@ -69,7 +69,14 @@ struct ClaimedTilesVariant {};
 //     ahead (tile k + 4 after its epilogue of tile k; the producer claims tiles 0-3): the
 //     atomic's round trip leaves the epilogue, and tile k + 2 is in the ring at its end_tile.
 //   kClaimLatePairs: kClaimLate by warpgroup 0 only, two tiles per atomic (k + 4, k + 5).
-constexpr int kClaimPairs = 4, kClaimLate = 5, kClaimLatePairs = 6;
+//   kClaimLateSpread: kClaimLate with the own block's tiles spread through the claim order
+//     (issue 24): kSpreadSegments segments per block, segment s of every foreign block in the
+//     usual order, then segment s of the own block (spread_tile). An own segment's peer data
+//     is the peers' same segment, which each peer claims before its own segment s, so every
+//     own tile waits only for tiles claimed earlier (by induction over the segments, no wait
+//     cycle; a CTA that never starts still holds nothing).
+constexpr int kClaimPairs = 4, kClaimLate = 5, kClaimLatePairs = 6, kClaimLateSpread = 7;
+constexpr int kSpreadSegments = 4;
 
 // The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
 // constructs the epilogue after arriving there: the ring is cleared here instead, by the
@@ -159,17 +166,18 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   CUTLASS_DEVICE WorkTileInfo get_current_work() {
     WorkTileInfo w{};
     static_cast<Tile&>(w) = take(k_);
-    if constexpr (kVariant == kClaimLate || kVariant == kClaimLatePairs) {
+    if constexpr (kVariant == kClaimLate || kVariant == kClaimLatePairs ||
+                  kVariant == kClaimLateSpread) {
       // A consumer warpgroup after its epilogue (at k_ - 2): it claims tile k_ + 2 (with
       // kClaimLatePairs warpgroup 0 only, k_ + 2 and k_ + 3) once k_ + 1 is in the ring (claims
       // in counter order). Tile k_ was claimed four tiles back (the producer: tiles 0-3).
       if (threadIdx.x >= 128 && threadIdx.x % 128 == 0 && cute::block_rank_in_cluster() == 0 &&
-          w.is_valid() && (kVariant == kClaimLate || !(k_ & 1u))) {
+          w.is_valid() && (kVariant != kClaimLatePairs || !(k_ & 1u))) {
         const uint32_t k = k_ + 2;
         wait_ring(k - 1, true);
         uint32_t* counter = &g_.local->claim[e_ & 1u];
-        if constexpr (kVariant == kClaimLate) {
-          publish(k, (int32_t)atom_add(counter, 1u));
+        if constexpr (kVariant != kClaimLatePairs) {
+          publish(k, order_tile(g_, (int32_t)atom_add(counter, 1u)));
         } else {
           const int32_t t = (int32_t)atom_add(counter, 2u);
           publish(k, t), publish(k + 1, t + 1);
@@ -213,7 +221,32 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     return old;
   }
   // The CTA's tile k once it is in the ring (a cluster peer's leader is at the same tile).
-  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) { return wait_ring(k, true); }
+  // (Its tile k - 1 too, the later of the two: with the own tiles spread through the order
+  // (kClaimLateSpread) the other warpgroup's next tile may be own while this one's is foreign,
+  // and its wait must not hold back this warpgroup's flags; in counter order tile k is the later.)
+  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) {
+    return max(wait_ring(k - 1, true), wait_ring(k, true));
+  }
+
+  // The cluster tile (decode's numbering: block-major, the own block last) of the claim
+  // counter's value i: i itself, or with kClaimLateSpread the spread order.
+  static CUTLASS_DEVICE int32_t order_tile(const Geometry& g, int32_t i) {
+    if constexpr (kVariant != kClaimLateSpread) {
+      return i;
+    } else {
+      if (i >= g.total) return i;
+      const int32_t per_block = g.cluster_rows * g.cluster_cols;
+      const int32_t seg = (per_block + kSpreadSegments - 1) / kSpreadSegments;
+      const int32_t head = (kSpreadSegments - 1) * g.n * seg;  // all but the last segments
+      if (seg * (kSpreadSegments - 1) >= per_block) return i;  // too few tiles to spread
+      if (i < head) {
+        const int32_t s = i / (g.n * seg), r = i - s * g.n * seg;
+        return (r / seg) * per_block + s * seg + r % seg;
+      }
+      const int32_t last = per_block - (kSpreadSegments - 1) * seg, j = i - head;
+      return (j / last) * per_block + (kSpreadSegments - 1) * seg + j % last;
+    }
+  }
 
   // Tools variants 1-3: the static order's k-th tile of this CTA's cluster (c + k clusters).
   static CUTLASS_DEVICE int32_t static_tile(uint32_t k) {
@@ -305,8 +338,9 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
         if (lane == 0) {
           *(volatile uint32_t*)&g.local->claim[(e + 1u) & 1u] = 0;  // for the next call
           constexpr uint32_t first = kVariant == kClaimPairs ? 2u : 4u;
-          t = (int32_t)atom_add(counter, first);
-          for (uint32_t i = 0; i < first; ++i) publish(i, t + (int32_t)i);
+          const int32_t i0 = (int32_t)atom_add(counter, first);
+          for (uint32_t i = 0; i < first; ++i) publish(i, order_tile(g, i0 + (int32_t)i));
+          t = order_tile(g, i0);
         }
         t = __shfl_sync(0xffffffffu, t, 0);
       } else {
