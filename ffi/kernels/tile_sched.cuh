@@ -224,8 +224,13 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // (Its tile k - 1 too, the later of the two: with the own tiles spread through the order
   // (kClaimLateSpread) the other warpgroup's next tile may be own while this one's is foreign,
   // and its wait must not hold back this warpgroup's flags; in counter order tile k is the later.)
+  // Only in builds with tools entry 9 (the default build: tile k alone, unchanged).
   static CUTLASS_DEVICE int32_t next_tile(uint32_t k) {
+#if defined(JAXOVERLAP_TILE_MENU_MASK) && ((JAXOVERLAP_TILE_MENU_MASK >> 9) & 1)
     return max(wait_ring(k - 1, true), wait_ring(k, true));
+#else
+    return wait_ring(k, true);
+#endif
   }
 
   // The cluster tile (decode's numbering: block-major, the own block last) of the claim
