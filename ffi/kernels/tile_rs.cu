@@ -29,6 +29,17 @@ JAXOVERLAP_TILE_DECLARE(e3_wrow)
 JAXOVERLAP_TILE_DECLARE(e3_wcol)
 JAXOVERLAP_TILE_DECLARE(e4_wrow)
 JAXOVERLAP_TILE_DECLARE(e4_wcol)
+// Tools entries (candidate claim paths of tile_sched.cuh; not in the default build)
+JAXOVERLAP_TILE_DECLARE(e5_wrow)
+JAXOVERLAP_TILE_DECLARE(e5_wcol)
+JAXOVERLAP_TILE_DECLARE(e6_wrow)
+JAXOVERLAP_TILE_DECLARE(e6_wcol)
+JAXOVERLAP_TILE_DECLARE(e7_wrow)
+JAXOVERLAP_TILE_DECLARE(e7_wcol)
+JAXOVERLAP_TILE_DECLARE(e8_wrow)
+JAXOVERLAP_TILE_DECLARE(e8_wcol)
+JAXOVERLAP_TILE_DECLARE(e9_wrow)
+JAXOVERLAP_TILE_DECLARE(e9_wcol)
 #undef JAXOVERLAP_TILE_DECLARE
 
 namespace {
@@ -84,6 +95,25 @@ const Entry kMenu[] = {
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
     // tiles are ping-pong 128 x N, cluster 2x1).
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4, kPpAltEpi),
+#endif
+    // Tools entries 5-9 (ENTRIES="4 5 ..." in build_tile_rs_probe.sh; never in the default
+    // build): the ping-pong kernels with a candidate claim path of tile_sched.cuh, to be timed
+    // against entries 3 and 4 in the same interleaved rounds (issue 23, session 8).
+#if JAXOVERLAP_TILE_IN(5)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+pairs", e5, kTileEpiLaneStores),
+#endif
+#if JAXOVERLAP_TILE_IN(6)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+late", e6, kTileEpiLaneStores),
+#endif
+#if JAXOVERLAP_TILE_IN(7)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+latepairs", e7, kTileEpiLaneStores),
+#endif
+#if JAXOVERLAP_TILE_IN(8)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1+late", e8, kTileEpiLaneStores),
+#endif
+#if JAXOVERLAP_TILE_IN(9)
+    // the own block spread through the claim order (issue 24)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+spread", e9, kTileEpiLaneStores),
 #endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY

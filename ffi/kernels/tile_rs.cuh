@@ -66,8 +66,9 @@ inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, 
 // M they share w's tile, along N x's). Cooperative: the two consumer warpgroups share each tile
 // (64 rows each). Ping-pong (kPingpong): each warpgroup runs a whole tile, and one's epilogue
 // (the stores to the peers, the adds of their slabs) runs under the other's MMA.
+// kSched (tools entries only, tile_rs.cu): a candidate claim path of tile_sched.cuh (0: production's).
 template <class Element, bool kWColMajor, int kTileN, int kClusterM, int kClusterN,
-          bool kPingpong = false>
+          bool kPingpong = false, int kSched = 0>
 struct TileKernel {
   static_assert(kTileRowAlign % (kTileM * kClusterM) == 0, "a rank's rows fill whole clusters");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_64>;
@@ -85,7 +86,8 @@ struct TileKernel {
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-      std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>;
+      std::conditional_t<kSched != 0, ClaimedTilesVariant<kSched, kPingpong>,
+                         std::conditional_t<kPingpong, ClaimedTilesPingpong, ClaimedTiles>>>;
   static_assert(Mainloop::DispatchPolicy::Stages < kRing, "the claim ring must outlast the pipeline");
 
   static cudaError_t preload() {
@@ -118,7 +120,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
-    e.claims = 1;
+    e.claims = kSched != 0 ? kSched : 1;
     e.epi = a.epi;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
@@ -222,10 +224,13 @@ struct TileKernel {
 
 // One instantiation file per menu entry and w layout (tile_rs_e<k>_<wrow|wcol>.cu): the entry's
 // preload and launch, declared in tile_rs.cu's menu.
-#define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG)                \
+// (JAXOVERLAP_TILE_ENTRY_SCHED: a tools entry with a candidate claim path, kSched.)
+#define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG) \
+  JAXOVERLAP_TILE_ENTRY_SCHED(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG, 0)
+#define JAXOVERLAP_TILE_ENTRY_SCHED(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG, SCHED)   \
   namespace jaxoverlap {                                                                         \
-  using TileKernel_##NAME =                                                                      \
-      tile::TileKernel<cutlass::bfloat16_t, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG>;       \
+  using TileKernel_##NAME = tile::TileKernel<cutlass::bfloat16_t, WCOL, TILE_N, CLUSTER_M,       \
+                                             CLUSTER_N, PINGPONG, SCHED>;                        \
   cudaError_t tile_rs_preload_##NAME() { return TileKernel_##NAME::preload(); }                  \
   cudaError_t tile_rs_check_##NAME(const TileRsArgs& a) { return TileKernel_##NAME::check(a); } \
   cudaError_t tile_rs_launch_##NAME(const TileRsArgs& a, cudaStream_t stream) {                  \

@@ -59,6 +59,24 @@ struct ClaimedTilesPingpong {};
 // the counter's atomic, 2 -> 3 the claims' timing.
 template <int kVariant, bool kPingpong>
 struct ClaimedTilesVariant {};
+// Candidate claim paths of the ping-pong kernel (issue 23, session 8; tools menu entries 5+
+// until measured, tile_rs.cu), selected by TileKernel's kSched and the epilogue's `claims`:
+//   kClaimPairs: the leader's warpgroup 0 claims two tiles per atomic (tiles k + 2, k + 3, at
+//     the start of its epilogue of tile k); warpgroup 1 never claims: half the atomics, and
+//     warpgroup 1's epilogue never waits for one.
+//   kClaimLate: each warpgroup claims after its epilogue (get_current_work, after the order
+//     barrier's arrive, where it would wait for the other warpgroup's MMA anyway), four tiles
+//     ahead (tile k + 4 after its epilogue of tile k; the producer claims tiles 0-3): the
+//     atomic's round trip leaves the epilogue, and tile k + 2 is in the ring at its end_tile.
+//   kClaimLatePairs: kClaimLate by warpgroup 0 only, two tiles per atomic (k + 4, k + 5).
+//   kClaimLateSpread: kClaimLate with the own block's tiles spread through the claim order
+//     (issue 24): kSpreadSegments segments per block, segment s of every foreign block in the
+//     usual order, then segment s of the own block (spread_tile). An own segment's peer data
+//     is the peers' same segment, which each peer claims before its own segment s, so every
+//     own tile waits only for tiles claimed earlier (by induction over the segments, no wait
+//     cycle; a CTA that never starts still holds nothing).
+constexpr int kClaimPairs = 4, kClaimLate = 5, kClaimLatePairs = 6, kClaimLateSpread = 7;
+constexpr int kSpreadSegments = 4;
 
 // The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
 // constructs the epilogue after arriving there: the ring is cleared here instead, by the
@@ -148,6 +166,24 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   CUTLASS_DEVICE WorkTileInfo get_current_work() {
     WorkTileInfo w{};
     static_cast<Tile&>(w) = take(k_);
+    if constexpr (kVariant == kClaimLate || kVariant == kClaimLatePairs ||
+                  kVariant == kClaimLateSpread) {
+      // A consumer warpgroup after its epilogue (at k_ - 2): it claims tile k_ + 2 (with
+      // kClaimLatePairs warpgroup 0 only, k_ + 2 and k_ + 3) once k_ + 1 is in the ring (claims
+      // in counter order). Tile k_ was claimed four tiles back (the producer: tiles 0-3).
+      if (threadIdx.x >= 128 && threadIdx.x % 128 == 0 && cute::block_rank_in_cluster() == 0 &&
+          w.is_valid() && (kVariant != kClaimLatePairs || !(k_ & 1u))) {
+        const uint32_t k = k_ + 2;
+        wait_ring(k - 1, true);
+        uint32_t* counter = &g_.local->claim[e_ & 1u];
+        if constexpr (kVariant != kClaimLatePairs) {
+          publish(k, order_tile(g_, (int32_t)atom_add(counter, 1u)));
+        } else {
+          const int32_t t = (int32_t)atom_add(counter, 2u);
+          publish(k, t), publish(k + 1, t + 1);
+        }
+      }
+    }
     return w;
   }
   template <class Pipeline, class PipelineState>
@@ -165,13 +201,57 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // k - 3, which ran before this one (tile 1: the producer), so claims stay in counter order.
   // (claims = 2: tools variant 3, the static order's tile instead of the counter's.)
   static CUTLASS_DEVICE void claim_next(Flags* local, uint32_t e, uint32_t k, int claims = 1) {
+    if (claims >= kClaimLate) return;  // claimed in get_current_work
+    if (claims == kClaimPairs && (k & 1u)) return;  // warpgroup 0 claimed it with tile k - 1
     if (cute::block_rank_in_cluster() == 0 && threadIdx.x % 128 == 0) {
       wait_ring(k - 1, true);
+      if (claims == kClaimPairs) {
+        const int32_t t = (int32_t)atom_add(&local->claim[e & 1u], 2u);
+        publish(k, t), publish(k + 1, t + 1);
+        return;
+      }
       publish(k, claims == 2 ? static_tile(k) : (int32_t)atomicAdd(&local->claim[e & 1u], 1u));
     }
   }
+  // One thread's atomic add (no warp aggregation: the compiler's atomicAdd adds a vote, a
+  // leader election and a shuffle).
+  static CUTLASS_DEVICE uint32_t atom_add(uint32_t* p, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+  }
   // The CTA's tile k once it is in the ring (a cluster peer's leader is at the same tile).
-  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) { return wait_ring(k, true); }
+  // (Its tile k - 1 too, the later of the two: with the own tiles spread through the order
+  // (kClaimLateSpread) the other warpgroup's next tile may be own while this one's is foreign,
+  // and its wait must not hold back this warpgroup's flags; in counter order tile k is the later.)
+  // Only in builds with tools entry 9 (the default build: tile k alone, unchanged).
+  static CUTLASS_DEVICE int32_t next_tile(uint32_t k) {
+#if defined(JAXOVERLAP_TILE_MENU_MASK) && ((JAXOVERLAP_TILE_MENU_MASK >> 9) & 1)
+    return max(wait_ring(k - 1, true), wait_ring(k, true));
+#else
+    return wait_ring(k, true);
+#endif
+  }
+
+  // The cluster tile (decode's numbering: block-major, the own block last) of the claim
+  // counter's value i: i itself, or with kClaimLateSpread the spread order.
+  static CUTLASS_DEVICE int32_t order_tile(const Geometry& g, int32_t i) {
+    if constexpr (kVariant != kClaimLateSpread) {
+      return i;
+    } else {
+      if (i >= g.total) return i;
+      const int32_t per_block = g.cluster_rows * g.cluster_cols;
+      const int32_t seg = (per_block + kSpreadSegments - 1) / kSpreadSegments;
+      const int32_t head = (kSpreadSegments - 1) * g.n * seg;  // all but the last segments
+      if (seg * (kSpreadSegments - 1) >= per_block) return i;  // too few tiles to spread
+      if (i < head) {
+        const int32_t s = i / (g.n * seg), r = i - s * g.n * seg;
+        return (r / seg) * per_block + s * seg + r % seg;
+      }
+      const int32_t last = per_block - (kSpreadSegments - 1) * seg, j = i - head;
+      return (j / last) * per_block + (kSpreadSegments - 1) * seg + j % last;
+    }
+  }
 
   // Tools variants 1-3: the static order's k-th tile of this CTA's cluster (c + k clusters).
   static CUTLASS_DEVICE int32_t static_tile(uint32_t k) {
@@ -251,6 +331,23 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       if (producer && leader && k == 0) {
         if (lane == 0) publish(0, static_tile(0)), publish(1, static_tile(1));
         t = static_tile(0);
+      } else {
+        t = wait_ring(k, !producer);
+      }
+      return decode(g, t);
+    }
+    if constexpr (kPingpong && kVariant >= kClaimPairs) {
+      // Candidate claim paths: the producer claims the first two (kClaimPairs) or four tiles
+      // with one atomic; the consumers claim the rest (claim_next, get_current_work).
+      if (producer && leader && k == 0) {
+        if (lane == 0) {
+          *(volatile uint32_t*)&g.local->claim[(e + 1u) & 1u] = 0;  // for the next call
+          constexpr uint32_t first = kVariant == kClaimPairs ? 2u : 4u;
+          const int32_t i0 = (int32_t)atom_add(counter, first);
+          for (uint32_t i = 0; i < first; ++i) publish(i, order_tile(g, i0 + (int32_t)i));
+          t = order_tile(g, i0);
+        }
+        t = __shfl_sync(0xffffffffu, t, 0);
       } else {
         t = wait_ring(k, !producer);
       }

@@ -20,8 +20,27 @@ objs=("$obj"/kernels/tile_rs_e*_w*.cu.o "$obj"/kernels/tile_rs.cu.o "$obj"/kerne
 for o in "${objs[@]}"; do
   [[ -f $o ]] || { echo "missing $o: build the native extension first"; exit 1; }
 done
+NAME=${NAME:-libtile_live}
+if [[ -n ${EXTRA_ENTRIES:-} ]]; then
+  # Tools menu entries (tile_rs.cu, e.g. EXTRA_ENTRIES="6 9") beside the default five: compiled
+  # here with -fPIC, and tile_rs.cu again with them in its menu (TILE_LIVE_ENTRY picks one).
+  CUTLASS_INC=${CUTLASS_INC:-$("$PY" -c "import importlib.util as u, os; d = os.path.join(u.find_spec('cutlass_library').submodule_search_locations[0], 'source'); print(os.path.join(d, 'include') + ' ' + os.path.join(d, 'tools', 'util', 'include'))")}
+  mask=31 X=$OUT/obj-$NAME
+  mkdir -p "$X"
+  for e in $EXTRA_ENTRIES; do mask=$((mask | (1 << e))); done
+  F=(-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
+     -Xcompiler -fPIC -Iffi "-I$CUBLAS_ROOT/include" "-DJAXOVERLAP_TILE_MENU_MASK=$mask")
+  for d in $CUTLASS_INC; do F+=("-I$d"); done
+  kept=()
+  for o in "${objs[@]}"; do [[ $o == */kernels/tile_rs.cu.o ]] || kept+=("$o"); done
+  objs=("${kept[@]}")
+  for s in ffi/kernels/tile_rs.cu $(for e in $EXTRA_ENTRIES; do echo ffi/kernels/tile_rs_e"$e"_w*.cu; done); do
+    nvcc "${F[@]}" -x cu -c "$s" -o "$X/$(basename "$s").o"
+    objs+=("$X/$(basename "$s").o")
+  done
+fi
 nvcc -std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Iffi \
   "-I$CUBLAS_ROOT/include" -x cu -c tools/probes/tile_live.cu -o "$OUT/obj-tile_live/tile_live.o"
 nvcc -shared -gencode=arch=compute_90a,code=sm_90a "$OUT/obj-tile_live/tile_live.o" "${objs[@]}" \
-  -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 -Xlinker --no-undefined -o "$OUT/libtile_live.so"
-echo "built $OUT/libtile_live.so"
+  -L"$CUBLAS_ROOT/lib" -l:libcublasLt.so.13 -Xlinker --no-undefined -o "$OUT/$NAME.so"
+echo "built $OUT/$NAME.so"

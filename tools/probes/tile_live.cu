@@ -560,7 +560,15 @@ int tl_live(long long M, long long K, long long N, const char* cache_dir, double
   Pair p(m, N, K, false);
   const int sms = half_sms();
   TileChoice pick;
-  {
+  // TILE_LIVE_ENTRY=<menu name> (tools): that entry at band 8 with its default epilogue, no
+  // selection (e.g. a tools entry of a probe build, tile_sched.cuh's candidate claim paths).
+  int forced = -1;
+  if (const char* name = std::getenv("TILE_LIVE_ENTRY"))
+    for (int e = 0; e < tile_rs_menu_size(); ++e)
+      if (std::strcmp(tile_rs_entry_name(e), name) == 0) forced = e;
+  if (forced >= 0) {
+    pick.entry = forced, pick.swizzle = kSwizzle, pick.epi = 0;
+  } else {
     TileRsArgs a = p.tile(0, sms, 0, 0, kSwizzle, false);
     tile_rs_choose(a, p.s[0], true, true, cache_dir, &pick);
     CK(cudaStreamSynchronize(p.s[0]));

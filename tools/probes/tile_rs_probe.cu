@@ -220,7 +220,8 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const i
   return ok;
 }
 
-// Median ms per launch of each variant, timed interleaved (BENCHMARKS.md): 7 rounds, each
+// Median ms per launch of each variant, timed interleaved (BENCHMARKS.md): 7 rounds
+// (TILE_PROBE_ROUNDS=R: R), each
 // variant `reps` launches per round in turn (20, fewer for long launches: a round of one variant
 // stays ~5 ms or more), after warm-up launches of each; spread = (max - min) / median of the 7.
 struct Timed {
@@ -236,7 +237,9 @@ std::vector<Timed> time_interleaved(const std::vector<std::function<void()>>& fn
     for (int i = 0; i < std::max(2, reps / 4); ++i) f();
   std::vector<std::vector<float>> ts(fns.size());
   std::vector<size_t> order(fns.size());
-  for (int rep = 0; rep < 7; ++rep) {
+  const char* env_rounds = std::getenv("TILE_PROBE_ROUNDS");  // default 7
+  const int rounds = env_rounds ? std::max(1, std::atoi(env_rounds)) : 7;
+  for (int rep = 0; rep < rounds; ++rep) {
     for (size_t v = 0; v < fns.size(); ++v) order[v] = v;
     if (kShuffle) {
       std::mt19937 rng(7919u * (unsigned)rep + (unsigned)fns.size());
