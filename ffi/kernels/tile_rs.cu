@@ -65,12 +65,12 @@ struct Entry {
 #define JAXOVERLAP_TILE_MENU_MASK 0x1f
 #endif
 #define JAXOVERLAP_TILE_IN(K) ((JAXOVERLAP_TILE_MENU_MASK >> (K)) & 1)
-// The ping-pong entries' alternatives the selection times: the lanes' stores. The TMA tensor
-// stores and loads (kTileEpiTensorStores / Loads, 2026-12-03) stay tools-only for now: one GPU run
-// checked them (tile_rs_probe check: bitwise equal to the default) and timed them on 12 + 5 shapes
-// (tensor stores 5-16 % faster on the ping-pong entries), but no full pick table with them in the
-// selection has run yet (docs/measurements.md, helper V of 2026-12-03).
-constexpr int32_t kPpAltEpi = kTileEpiLaneStores;
+// The ping-pong entries' alternatives the selection times, each alone against the default
+// (bulk) stores: the lanes' stores and the TMA tensor stores (kTileEpiTensorStores: each 16x32
+// chunk leaves as one cp.async.bulk.tensor store from the swizzled staging buffer; 5-16 % faster
+// than the bulk path on the ping-pong entries, bitwise equal, docs/measurements.md helper V of
+// 2026-12-03). The TMA tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 % slower.
+constexpr int32_t kPpAltEpi = kTileEpiLaneStores | kTileEpiTensorStores;
 const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(0)
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.
@@ -94,27 +94,31 @@ const Entry kMenu[] = {
 #endif
 #if JAXOVERLAP_TILE_IN(4)
     // The same with w's tile multicast to a cluster of two (TensorRT-LLM's GEMM + all-reduce
-    // tiles are ping-pong 128 x N, cluster 2x1).
+    // tiles are ping-pong 128 x N, cluster 2x1); each warpgroup claims its tile k + 4 after its
+    // epilogue of tile k (kClaimLate: the claim's atomic leaves the epilogue; 2-3 % faster than
+    // claiming at the epilogue's start on 7 of 7 shapes, helper W of session 8; entry 3's c1x1
+    // kernel did not gain and keeps the earlier claims).
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1", e4, kPpAltEpi),
 #endif
     // Tools entries 5-9 (ENTRIES="4 5 ..." in build_tile_rs_probe.sh; never in the default
-    // build): the ping-pong kernels with a candidate claim path of tile_sched.cuh, to be timed
-    // against entries 3 and 4 in the same interleaved rounds (issue 23, session 8).
+    // build): the ping-pong kernels with another claim path of tile_sched.cuh, to be timed
+    // against entries 3 and 4 in the same interleaved rounds (issue 23, sessions 8-9).
 #if JAXOVERLAP_TILE_IN(5)
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+pairs", e5, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+pairs", e5, kPpAltEpi),
 #endif
 #if JAXOVERLAP_TILE_IN(6)
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+late", e6, kTileEpiLaneStores),
+    // entry 4's claims before session 9 (at the epilogue's start, two tiles ahead)
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1-early", e6, kPpAltEpi),
 #endif
 #if JAXOVERLAP_TILE_IN(7)
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+latepairs", e7, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+latepairs", e7, kPpAltEpi),
 #endif
 #if JAXOVERLAP_TILE_IN(8)
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1+late", e8, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c1x1+late", e8, kPpAltEpi),
 #endif
 #if JAXOVERLAP_TILE_IN(9)
     // the own block spread through the claim order (issue 24)
-    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+spread", e9, kTileEpiLaneStores),
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+spread", e9, kPpAltEpi),
 #endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY
