@@ -275,3 +275,31 @@ def test_the_race_canary_ends_each_call_with_the_librarys_finish():
     text = open(os.path.join(ROOT, "tools", "probes", "tile_live.cu")).read()
     assert not re.search(r"__global__ void \w*finish\w*\(", text)
     assert len(re.findall(r"launch_finish\(", text)) >= 4  # tile, comm, chunked, live
+
+
+def test_sanitize_only_selects_the_training_workers_cases(tmp_path, monkeypatch):
+    """tools/sanitize.py --only reaches both worker modes through one variable, XPROC_ONLY: until
+    2026-12-03 the training mode read XPROC_CASES, so `--mode train --only row_parallel` ran every
+    training case (and died in the one that crashes under the tool, issue 25). A tag that names
+    no case of the mode is an error, never a run of nothing."""
+    from tests.gpu import xproc_training
+
+    fake = tmp_path / "compute-sanitizer"
+    seen = tmp_path / "seen"
+    fake.write_text(f'#!/bin/sh\necho "$XPROC_ONLY" >> {seen}\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: str(fake))
+    sanitize.run_tool("memcheck", "train", str(tmp_path), 10.0, 5.0, only="row_parallel")
+    assert seen.read_text().split() == ["row_parallel"] * 2
+    cases = xproc_training.CASES
+    monkeypatch.setenv("XPROC_ONLY", "batch_by_sequence,row_parallel")
+    assert xproc_training.only_cases(cases, "train") == ["batch_by_sequence", "row_parallel"]
+    monkeypatch.setenv("XPROC_ONLY", "")
+    assert xproc_training.only_cases(cases, "train") == list(cases)
+    monkeypatch.setenv("XPROC_ONLY", "row_parallel,rs_tile")
+    try:
+        xproc_training.only_cases(cases, "train")
+    except SystemExit as e:
+        assert "rs_tile" in str(e) and "train" in str(e)
+    else:
+        raise AssertionError("an unknown tag must not run nothing")

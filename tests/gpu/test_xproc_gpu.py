@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.gpu import xproc_training
+
 pytestmark = pytest.mark.gpu
 
 WORKER = os.path.join(os.path.dirname(__file__), "xproc_worker.py")
@@ -203,15 +205,7 @@ def xproc_train():
     return _run("train", timeout=400)
 
 
-TRAINING_CASES = [
-    "column_parallel_bfloat16_1d",
-    "column_parallel_bfloat16_2d",
-    "column_parallel_float16_1d",
-    "column_parallel_float16_2d",
-    "row_parallel",
-    "batch_by_sequence",
-    "scanned_training",
-]
+TRAINING_CASES = list(xproc_training.CASES)
 
 
 @pytest.mark.parametrize("case", TRAINING_CASES)
@@ -228,7 +222,7 @@ def test_training_in_command_buffers(gpus_any):
     """The training path's fused calls (the scanned two-layer MLP's forward and backward among
     them) with the handlers registered COMMAND_BUFFER_COMPATIBLE: XLA captures some of them into
     its command buffers, and every case is still correct and repeats its bits."""
-    env = {"JAXOVERLAP_COMMAND_BUFFERS": "1", "XPROC_CASES": ",".join(TRAINING_CASES[-3:])}
+    env = {"JAXOVERLAP_COMMAND_BUFFERS": "1", "XPROC_ONLY": ",".join(TRAINING_CASES[-3:])}
     outs = _run("train", env=env)
     captured = 0
     for rank, out in enumerate(outs):

@@ -40,11 +40,35 @@ def _compare(tag, got, want, dtype):
         assert np.isfinite(g).all() and err < TOL[jnp.dtype(dtype)], f"leaf {i}: error {err:.3g}"
 
 
+# Every case of run(), in its order (tests/gpu/test_xproc_gpu.py parametrizes over these).
+CASES = (
+    "column_parallel_bfloat16_1d",
+    "column_parallel_bfloat16_2d",
+    "column_parallel_float16_1d",
+    "column_parallel_float16_2d",
+    "row_parallel",
+    "batch_by_sequence",
+    "scanned_training",
+)
+
+
+def only_cases(known, mode):
+    """The cases that XPROC_ONLY (comma-separated tags; empty: all) selects among ``known``, in
+    XPROC_ONLY's order -- the one selection of every worker MODE (tools/sanitize.py's --only sets
+    it). A tag that names no case of ``mode`` is an error, not a run of nothing (until 2026-12-03
+    the training mode read another variable, and sanitize.py --only ran every training case)."""
+    only = [t for t in os.environ.get("XPROC_ONLY", "").split(",") if t]
+    unknown = [t for t in only if t not in known]
+    if unknown:
+        raise SystemExit(f"XPROC_ONLY names no {mode} case: {unknown} (cases: {list(known)})")
+    return only or list(known)
+
+
 def _case(tag, build, host, specs, dtype, targets, mesh, arr):
     """build(mesh, config) -> jitted fn of the arrays ``host`` (NumPy, global shapes); ``arr(a,
     spec)``: the global array of ``a`` on ``mesh``."""
-    only = os.environ.get("XPROC_CASES")
-    if only and tag not in only.split(","):
+    assert tag in CASES, f"{tag}: add it to CASES"
+    if tag not in only_cases(CASES, "train"):
         return
     try:
         local = Mesh(np.array(jax.local_devices()[:1]), ("tp",))

@@ -214,13 +214,14 @@ def main(process, nproc, port, gpu, mode):
 
         xproc_rerecord.run(mesh, arr, process)
     else:  # ops: each fused op (forward), every case reported (XPROC_ONLY: these, in this order).
+        from tests.gpu.xproc_training import only_cases
+
         by_tag = {c[0]: c for c in cases}
-        only = [t for t in os.environ.get("XPROC_ONLY", "").split(",") if t]
-        for tag in only or by_tag:
-            if tag in by_tag:
+        for tag in only_cases([*by_tag, "gemm_search"], "ops"):
+            if tag == "gemm_search":
+                report_gemm_search(gpu)
+            else:
                 check(*by_tag[tag])
-        if not only or "gemm_search" in only:
-            report_gemm_search(gpu)
     # Process 0 hosts the coordinator: its exit would stop the others before they report.
     from jax._src import distributed
 

@@ -2,7 +2,7 @@
 
     python tools/probes/order_form_worker.py PROCESS NPROC PORT GPU MODE [WORKER]
 
-Runs tests/gpu/xproc_worker.py's MODE (``train``: tests/gpu/xproc_training.py, XPROC_CASES picks
+Runs tests/gpu/xproc_worker.py's MODE (``train``: tests/gpu/xproc_training.py, XPROC_ONLY picks
 the cases) or, with WORKER ``order``, tests/gpu/order_worker.py's MODE (WORKER ``dispatch``:
 tools/probes/order_dispatch.py's two-process measurement), with the order as
 ``JAXOVERLAP_ORDER_CALLS`` says (run it with 1) in the lowering form ``ORDER_FORM`` names
