@@ -66,7 +66,8 @@ inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, 
 // M they share w's tile, along N x's). Cooperative: the two consumer warpgroups share each tile
 // (64 rows each). Ping-pong (kPingpong): each warpgroup runs a whole tile, and one's epilogue
 // (the stores to the peers, the adds of their slabs) runs under the other's MMA.
-// kSched (tools entries only, tile_rs.cu): a candidate claim path of tile_sched.cuh (0: production's).
+// kSched: the claim path of tile_sched.cuh (0: ClaimScheduler's own; entry 4: kClaimLate; tools
+// entries: the others, tile_rs.cu).
 template <class Element, bool kWColMajor, int kTileN, int kClusterM, int kClusterN,
           bool kPingpong = false, int kSched = 0>
 struct TileKernel {
@@ -224,7 +225,7 @@ struct TileKernel {
 
 // One instantiation file per menu entry and w layout (tile_rs_e<k>_<wrow|wcol>.cu): the entry's
 // preload and launch, declared in tile_rs.cu's menu.
-// (JAXOVERLAP_TILE_ENTRY_SCHED: a tools entry with a candidate claim path, kSched.)
+// (JAXOVERLAP_TILE_ENTRY_SCHED: an entry with another claim path, kSched: entry 4, tools entries.)
 #define JAXOVERLAP_TILE_ENTRY(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG) \
   JAXOVERLAP_TILE_ENTRY_SCHED(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG, 0)
 #define JAXOVERLAP_TILE_ENTRY_SCHED(NAME, WCOL, TILE_N, CLUSTER_M, CLUSTER_N, PINGPONG, SCHED)   \

@@ -59,8 +59,9 @@ struct ClaimedTilesPingpong {};
 // the counter's atomic, 2 -> 3 the claims' timing.
 template <int kVariant, bool kPingpong>
 struct ClaimedTilesVariant {};
-// Candidate claim paths of the ping-pong kernel (issue 23, session 8; tools menu entries 5+
-// until measured, tile_rs.cu), selected by TileKernel's kSched and the epilogue's `claims`:
+// Other claim paths of the ping-pong kernel (issue 23, session 8), selected by TileKernel's kSched
+// and the epilogue's `claims`; kClaimLate is menu entry 4's since session 9 (2.2 % faster in prod
+// on 36 of 36 judged shapes), the others are tools entries (tile_rs.cu):
 //   kClaimPairs: the leader's warpgroup 0 claims two tiles per atomic (tiles k + 2, k + 3, at
 //     the start of its epilogue of tile k); warpgroup 1 never claims: half the atomics, and
 //     warpgroup 1's epilogue never waits for one.
@@ -337,7 +338,7 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       return decode(g, t);
     }
     if constexpr (kPingpong && kVariant >= kClaimPairs) {
-      // Candidate claim paths: the producer claims the first two (kClaimPairs) or four tiles
+      // kClaimPairs / kClaimLate*: the producer claims the first two (kClaimPairs) or four tiles
       // with one atomic; the consumers claim the rest (claim_next, get_current_work).
       if (producer && leader && k == 0) {
         if (lane == 0) {
