@@ -12,7 +12,8 @@
 # --stress: also tools/stress.py (10,000 fused calls of mixed shapes, every result checked; on one
 # GPU: two processes sharing it, 10 call sites, tools/stress_xproc.py).
 # --sanitize[=memcheck,racecheck,...]: also tools/sanitize.py (two processes, each under
-# compute-sanitizer, every fused op; default all four tools; GPU_CHECK_SANITIZE_MODE=ops|train).
+# compute-sanitizer, every fused op; default all four tools; GPU_CHECK_SANITIZE_MODE=ops|train,
+# GPU_CHECK_SANITIZE_ONLY=<cases>).
 # --dw-probe: tools/probes/dw_layout_probe.py (the weight gradient's two layouts, one GPU).
 # --memory: memory over 1,000 fresh call sites and 200 batch sizes (two processes; the workspace
 # pool judged, the whole GPU and XLA reported).
@@ -214,8 +215,17 @@ if ((MEMORY)); then
     --deadline-s 190
 fi
 if [[ -n $SANITIZE ]]; then
-  step sanitize 560 "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
-    --mode "${GPU_CHECK_SANITIZE_MODE:-ops}" --deadline-s "${GPU_CHECK_SANITIZE_TOOL_S:-240}"
+  # GPU_CHECK_SANITIZE_ONLY: the worker's cases (sanitize.py --only, e.g. "row_parallel"). Where gcc
+  # is found, tools/probes/crash_backtrace.c is preloaded: a host crash prints its native stack
+  # (issue 25: the workers that die with exit -11 die of compute-sanitizer's own SIGSEGV).
+  pre=()
+  if command -v gcc >/dev/null && gcc -O1 -shared -fPIC -o "$LOG/libcrash_backtrace.so" \
+    tools/probes/crash_backtrace.c -ldl 2>/dev/null; then
+    pre=(env LD_PRELOAD="$LOG/libcrash_backtrace.so")
+  fi
+  step sanitize 560 "${pre[@]}" "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
+    --mode "${GPU_CHECK_SANITIZE_MODE:-ops}" --deadline-s "${GPU_CHECK_SANITIZE_TOOL_S:-240}" \
+    ${GPU_CHECK_SANITIZE_ONLY:+--only "$GPU_CHECK_SANITIZE_ONLY"}
 fi
 if ((NGPU < 2 && (BENCH || LAYER))); then
   echo "one GPU: benchmarks and the layer need two GPUs; skipped"
