@@ -201,7 +201,7 @@ def test_deadline_kills_the_worker_under_the_sanitizer(tmp_path, monkeypatch):
     fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >> {pids}\nsleep 60\n")
     fake.chmod(0o755)
     monkeypatch.setattr(sanitize.shutil, "which", lambda name: str(fake))
-    logs, timed_out, _, codes = sanitize.run_tool("memcheck", "ops", str(tmp_path), 3.0, 5.0)
+    logs, timed_out, _, codes, _ = sanitize.run_tool("memcheck", "ops", str(tmp_path), 3.0, 5.0)
     assert timed_out and all(c != 0 for c in codes), codes
     children = [int(p) for p in pids.read_text().split()]
     assert len(children) == 2
@@ -303,3 +303,32 @@ def test_sanitize_only_selects_the_training_workers_cases(tmp_path, monkeypatch)
         assert "rs_tile" in str(e) and "train" in str(e)
     else:
         raise AssertionError("an unknown tag must not run nothing")
+
+
+def test_the_sanitizers_own_crash_is_named(tmp_path, monkeypatch, capsys):
+    """A worker line whose sanitizer process itself died (crash_backtrace's report carries the
+    sanitizer's pid: session 9's exit -11 deaths, all in compute-sanitizer's own code) says TOOL
+    CRASH and fails; the crash library is built and preloaded into the tool and its workers."""
+    fake = tmp_path / "compute-sanitizer"
+    seen = tmp_path / "preload"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$LD_PRELOAD" >> {seen}\n'
+        'echo "column_parallel_bfloat16_1d OK captured=0"\n'
+        'echo "[crash_backtrace] pid $$: signal 11 (Segmentation fault), address 0x10"\n'
+        "kill -SEGV $$\n"
+    )
+    fake.chmod(0o755)
+    which = sanitize.shutil.which
+    monkeypatch.setattr(
+        sanitize.shutil, "which", lambda name: str(fake) if "sanit" in name else which(name)
+    )
+    rc = sanitize.main(["--tools", "memcheck", "--mode", "train", "--out", str(tmp_path),
+                        "--deadline-s", "20"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1 and "SANITIZE: FAILED" in out, out
+    assert out.count("TOOL CRASH: compute-sanitizer itself") == 2, out
+    lib = sanitize.crash_backtrace_lib(str(tmp_path))
+    if lib is not None:  # a machine with gcc (CI has one): built and preloaded
+        assert os.path.exists(lib)
+        assert seen.read_text().split() == [lib, lib], seen.read_text()

@@ -215,15 +215,8 @@ if ((MEMORY)); then
     --deadline-s 190
 fi
 if [[ -n $SANITIZE ]]; then
-  # GPU_CHECK_SANITIZE_ONLY: the worker's cases (sanitize.py --only, e.g. "row_parallel"). Where gcc
-  # is found, tools/probes/crash_backtrace.c is preloaded: a host crash prints its native stack
-  # (issue 25: the workers that die with exit -11 die of compute-sanitizer's own SIGSEGV).
-  pre=()
-  if command -v gcc >/dev/null && gcc -O1 -shared -fPIC -o "$LOG/libcrash_backtrace.so" \
-    tools/probes/crash_backtrace.c -ldl 2>/dev/null; then
-    pre=(env LD_PRELOAD="$LOG/libcrash_backtrace.so")
-  fi
-  step sanitize 560 "${pre[@]}" "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
+  # GPU_CHECK_SANITIZE_ONLY: the worker's cases (sanitize.py --only, e.g. "row_parallel").
+  step sanitize 560 "$PY" tools/sanitize.py --tools "$SANITIZE" --out "$LOG" \
     --mode "${GPU_CHECK_SANITIZE_MODE:-ops}" --deadline-s "${GPU_CHECK_SANITIZE_TOOL_S:-240}" \
     ${GPU_CHECK_SANITIZE_ONLY:+--only "$GPU_CHECK_SANITIZE_ONLY"}
 fi

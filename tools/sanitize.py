@@ -20,7 +20,11 @@ line: an exclusion may name either (``kernel @ file:line``).
 Workers that died without a line (issue 25, calls E and 1-3): under racecheck the host's OOM killer
 (a racecheck worker's host memory grows ~1 GB/s to ~48 GB and more: one racecheck pair at a time on
 a 128 GB host, or ``--sanitized`` one process); under initcheck a SIGSEGV in the tool's
-cuMemAllocAsync hook on a green-context stream (the GEMM search no longer allocates there, below).
+cuMemAllocAsync hook on a green-context stream (the GEMM search no longer allocates there, below);
+under every tool, intermittently, a SIGSEGV of the compute-sanitizer process itself (2025.3.1)
+while XLA compiles (session 9; reproduced without jaxoverlap: tools/probes/sanitizer_scan_probe.py).
+tools/probes/crash_backtrace.c is built and preloaded where gcc is found, and a line says ``TOOL
+CRASH`` when the sanitizer's own process is the one that died.
 ``--kernels``: instrument only kernels whose name contains this substring (``--kernel-name
 kns=...``; the others run uninstrumented) -- not under racecheck while cuBLASLt's kernels run
 (KERNELS says why). ``--sanitized 0``: only process 0 runs under the sanitizer, process 1 plainly
@@ -192,8 +196,30 @@ def _kill_group(proc):
         pass
 
 
+def crash_backtrace_lib(out):
+    """tools/probes/crash_backtrace.c built into ``out`` (gcc), or None where it cannot be:
+    preloaded into the sanitizer and its workers, it prints a host crash's native stack and tells
+    the tool's own crash from the worker's (session 9: every worker that died with exit -11 under
+    the tool died of a SIGSEGV in the compute-sanitizer process, in XLA's compilation)."""
+    lib = os.path.join(os.path.abspath(out), "libcrash_backtrace.so")
+    src = os.path.join(ROOT, "tools", "probes", "crash_backtrace.c")
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        return None
+    r = subprocess.run([gcc, "-O1", "-g", "-shared", "-fPIC", "-o", lib, src, "-ldl"],
+                       capture_output=True)  # fmt: skip
+    return lib if r.returncode == 0 else None
+
+
+def tool_crash(printed, pid):
+    """The crash report of process ``pid`` (the sanitizer's own, when ``pid`` is the sanitizer's)
+    in a worker's output, as crash_backtrace prints it, or None."""
+    m = re.search(rf"^\[crash_backtrace\] pid {pid}: (.*)$", printed, re.M)
+    return m.group(1) if m else None
+
+
 def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag="", extra=(),
-             sanitized=(0, 1), shapes="default"):  # fmt: skip
+             sanitized=(0, 1), shapes="default", preload=None):  # fmt: skip
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -218,6 +244,8 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
         "PYTHONFAULTHANDLER": "1",
         "JAXOVERLAP_SANITIZER_MEMSET": sanitizer_memset(tool, mode),
     }
+    if preload:
+        env["LD_PRELOAD"] = " ".join(filter(None, [preload, os.environ.get("LD_PRELOAD")]))
     # initcheck runs with the GEMM search on (issue 25): compute-sanitizer 2025.3.1's initcheck
     # crashed the process (SIGSEGV in its cuMemAllocAsync hook) on the search's stream-ordered
     # scratch allocations on the SM partition's green-context GEMM stream
@@ -262,7 +290,7 @@ def run_tool(tool, mode, out, deadline_s, timeout_s, only="", kernels=None, tag=
     for pr, f in zip(procs, files, strict=True):
         codes.append(pr.wait())
         f.close()
-    return logs, timed_out, time.time() - t0, codes
+    return logs, timed_out, time.time() - t0, codes, [pr.pid for pr in procs]
 
 
 def main(argv=None):
@@ -286,11 +314,12 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     rules = exclusions()
     sanitized = tuple(int(p) for p in a.sanitized.split(","))
+    preload = crash_backtrace_lib(a.out)
     ok = True
     for tool in a.tools.split(","):
-        logs, timed_out, dt, codes = run_tool(
+        logs, timed_out, dt, codes, pids = run_tool(
             tool, a.mode, a.out, a.deadline_s, a.timeout_s, a.only, a.kernels, a.tag,
-            a.extra.split(), sanitized, a.shapes,
+            a.extra.split(), sanitized, a.shapes, preload,
         )  # fmt: skip
         for p, (log, stdout) in enumerate(logs):
             if p not in sanitized:
@@ -311,6 +340,11 @@ def main(argv=None):
             crashed = re.findall(r"Internal Sanitizer Error[^\n]*", text)
             for c in crashed[:2]:
                 print(f"    SANITIZER: {c[:160]}")
+            own = tool_crash(printed, pids[p])  # the Popen'd process is the sanitizer itself
+            if own:
+                crashed.append(own)
+                print(f"    TOOL CRASH: compute-sanitizer itself (pid {pids[p]}) died: {own[:120]} "
+                      "-- in the tool's own code, not the worker's (its stack below)")  # fmt: skip
             line_ok = line_ok and not crashed
             ok &= bool(line_ok)
             for reason, count in excluded.items():
