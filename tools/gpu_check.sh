@@ -5,6 +5,7 @@
 #   tools/gpu_check.sh [--quick] [--skip-tests] [--skip-bench] [--skip-cpu-tests] [--cpu-smoke]
 #                      [--layer] [--stress] [--gemm-probe] [--tile-probe] [--sanitize[=TOOLS]]
 #                      [--dw-probe] [--memory] [--canary] [--live-waits] [--tile-ref]
+#                      [--tile-ncu]
 #
 # --quick: shorter benchmark samples, 2 SM counts; --skip-tests: no GPU tests; --skip-bench;
 # --skip-cpu-tests; --cpu-smoke: benchmarks on 2 fake CPU devices (tries this script anywhere);
@@ -23,6 +24,10 @@
 # tools/probes/build_tile_rs_probe.sh and carried): the tile-fused GEMM + reduce-scatter's menu
 # checked at 2, 4 and 8 ranks on one GPU against an f32 reference, and every entry's and the
 # pick's time against cuBLASLt's on tools/shapes.py's shapes (GPU_CHECK_TILE_SEED=S: new draws).
+# --tile-ncu: ncu --clock-control none of `tile_rs_probe prof` (one launch of cuBLASLt, then of
+# every entry plain and prod) on the shapes GPU_CHECK_TILE_NCU="TP M K N;..." (default: the three
+# worst pick plain/ref shapes of session 9, docs/measurements.md): the speed-of-light, warp-state
+# and compute-workload sections per kernel, CSV under $OUT/tile-ncu-*.csv.
 # --canary / --live-waits / --tile-ref: tools/probes/tile_live.py (one GPU; build/probes/
 # libtile_live.so, built on the CPU machine by tools/probes/build_tile_live.sh, carried): the race
 # canary (two in-process ranks, 10,000 calls each of the tile kernel, the comm kernel's two
@@ -51,7 +56,7 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.txt # the summary prints this run's tables only
 
 BENCH_FLAGS=() TESTS=1 BENCH=1 CPU_TESTS=1 LAYER=0 STRESS=0 GEMM_PROBE=0 TILE_PROBE=0 SANITIZE=
-DW_PROBE=0 MEMORY=0 LIVE=()
+DW_PROBE=0 MEMORY=0 LIVE=() TILE_NCU=0
 for a in "$@"; do
   case $a in
     --quick) BENCH_FLAGS+=(--quick) ;;
@@ -65,6 +70,7 @@ for a in "$@"; do
     --memory) MEMORY=1 ;;
     --gemm-probe) GEMM_PROBE=1 ;;
     --tile-probe) TILE_PROBE=1 ;;
+    --tile-ncu) TILE_NCU=1 ;;
     --canary | --live-waits | --tile-ref) LIVE+=("${a#--}") ;;
     --sanitize) SANITIZE=memcheck,racecheck,synccheck,initcheck ;;
     --sanitize=*) SANITIZE=${a#--sanitize=} ;;
@@ -177,6 +183,18 @@ if ((TILE_PROBE)); then
       "$variant" time "$TILE_SHAPES"
   done
   kill "$SMI" 2>/dev/null
+fi
+if ((TILE_NCU)); then
+  CUBLAS_LIB=$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null)
+  IFS=';' read -r -a NCU_SHAPES <<<"${GPU_CHECK_TILE_NCU:-4 12288 1280 5120;2 14336 2048 4096;8 16384 1792 4096}"
+  for shape in "${NCU_SHAPES[@]}"; do
+    read -r tp m k n <<<"$shape"
+    step "tile-ncu-${tp}x${m}x${k}x${n}" 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" ncu \
+      --clock-control none --profile-from-start off --csv --section SpeedOfLight \
+      --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --log-file "$LOG/tile-ncu-${tp}x${m}x${k}x${n}.csv" \
+      build/probes/tile_rs_probe prof "$tp" "$m" "$k" "$n"
+  done
 fi
 for what in "${LIVE[@]}"; do  # tools/probes/tile_live.py: live ranks of the tile kernel, one GPU
   TILE_SHAPES="$LOG/tile-shapes.txt"
