@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/ce.h"
+#include "kernels/tile_rs.h"
 #include "runtime/memops.h"
 #include "registry_probes.h"
 #include "runtime/runtime.h"
@@ -334,6 +335,17 @@ NB_MODULE(_native, m) {
   m.def("gemm_plans", &gemm_plans, nb::arg("ordinal"),
         "The GEMM plans of a CUDA ordinal: shape, SM target, and which of cuBLASLt's candidates "
         "the timing chose (ms of the heuristic's first choice and of the kept one).");
+  m.def(
+      "tile_menu",
+      [] {
+        std::vector<nb::tuple> out;
+        for (int e = 0; e < jaxoverlap::tile_rs_menu_size(); ++e)
+          out.push_back(nb::make_tuple(std::string(jaxoverlap::tile_rs_entry_name(e)),
+                                       jaxoverlap::tile_rs_entry_alt_epi(e)));
+        return out;
+      },
+      "The tile schedule's menu: [(entry name, the epilogue variants its selection also times, "
+      "kTileEpi* bits)]; JAXOVERLAP_TILE_ENTRY=<name>[:<epi>] forces one (tests, tuning runs).");
   m.def("set_gemm_cache_dir", &jaxoverlap::GemmRunner::set_cache_dir, nb::arg("path"),
         "The directory where GEMM algorithm choices are shared between processes ('': none).");
   m.def("_gemm_candidates", &gemm_candidates, nb::arg("ordinal"), nb::arg("m"), nb::arg("n"),

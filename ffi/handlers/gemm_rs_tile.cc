@@ -31,8 +31,10 @@ std::string tile_setup(TileRsArgs* a, cudaStream_t stream) {
     cudaStream_t s = stream;
     const bool side = capturing && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == 0;
     TileChoice c;
-    tile_rs_choose(*a, s, !capturing || side, !capturing, GemmRunner::get_cache_dir(), &c);
+    const std::string e =
+        tile_rs_choose(*a, s, !capturing || side, !capturing, GemmRunner::get_cache_dir(), &c);
     if (side) cudaStreamSynchronize(s), cudaStreamDestroy(s);
+    if (!e.empty()) return e;
     a->entry = c.entry, a->swizzle = c.swizzle, a->epi = c.epi;
     if (cudaError_t e = preload_tile_entry(c.entry, a->w_colmajor != 0))
       return std::string("loading the tile-fused GEMM kernel failed: ") + cudaGetErrorString(e);

@@ -71,8 +71,9 @@ struct TileRsArgs {
 // from a 64-byte-swizzled shared buffer, through a tensor map per destination (each peer's
 // staging slot, both parities as rows 0..2m, or out) encoded at the launch -- instead of 16 row
 // copies per chunk; overrides the other two bits. Ping-pong kernels only (with TensorLoads; a
-// cooperative kernel ignores both unless built with JAXOVERLAP_TILE_TENSOR_COOP=1). Tools only
-// until a GPU run has checked and timed them (tile_rs.cu's kPpAltEpi).
+// cooperative kernel ignores both unless built with JAXOVERLAP_TILE_TENSOR_COOP=1). Checked and
+// timed on one GPU (session 9); not in the selection until run across two processes
+// (tile_rs.cu's kPpAltEpi says why).
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
 constexpr int32_t kTileEpiTensorStores = 4;

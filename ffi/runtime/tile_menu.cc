@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
@@ -239,10 +240,50 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
   return note;
 }
 
+// JAXOVERLAP_TILE_ENTRY=<entry name>[:<epi>]: that menu entry with that epilogue variant
+// (kTileEpi* bits, default 0) at the call's swizzle, instead of the selection -- not timed, not
+// published, not remembered. For tests and tuning runs (tests/gpu/test_xproc_gpu.py runs every
+// entry and store path across two processes with it); every process of a group must set the
+// same. An unknown name, a variant outside 0..15 or an entry that cannot launch the problem
+// fails the call with a message that names the menu.
+std::string forced_choice(const TileRsArgs& a, const std::string& spec, TileChoice* out) {
+  const size_t colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  long epi = 0;
+  if (colon != std::string::npos) {
+    const std::string v = spec.substr(colon + 1);
+    char* end = nullptr;
+    epi = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end || epi < 0 || epi > 15)
+      return "JAXOVERLAP_TILE_ENTRY=" + spec +
+             ": the epilogue variant after ':' must be 0..15 (kTileEpi* bits, kernels/tile_rs.h)";
+  }
+  std::string names;
+  for (int e = 0; e < tile_rs_menu_size(); ++e) {
+    if (name == tile_rs_entry_name(e)) {
+      TileRsArgs t = a;
+      t.entry = e, t.epi = (int32_t)epi;
+      if (cudaError_t err = check_tile_entry(t)) {
+        cudaGetLastError();
+        return "JAXOVERLAP_TILE_ENTRY=" + spec + ": entry " + name +
+               " cannot launch this problem (" + cudaGetErrorString(err) + ")";
+      }
+      *out = TileChoice{};
+      out->entry = e, out->swizzle = a.swizzle, out->epi = (int)epi;
+      out->note = "forced by JAXOVERLAP_TILE_ENTRY=" + spec;
+      return "";
+    }
+    names += std::string(e ? ", " : "") + tile_rs_entry_name(e);
+  }
+  return "JAXOVERLAP_TILE_ENTRY=" + spec + " names no entry of the tile menu (" + names + ")";
+}
+
 }  // namespace
 
 std::string tile_rs_choose(const TileRsArgs& a, cudaStream_t stream, bool time_it, bool publish,
                            const std::string& cache_dir, TileChoice* out) {
+  if (const char* forced = std::getenv("JAXOVERLAP_TILE_ENTRY"); forced && *forced)
+    return forced_choice(a, forced, out);
   const std::string text = problem_text(a);
   const std::pair<int, std::string> key{a.peers.device, text};
   {

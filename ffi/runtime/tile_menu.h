@@ -23,6 +23,8 @@ struct TileChoice {
 // default).
 // `time_it`: false under capture (the caller times on a side stream outside the capture, or
 // keeps the default): then only the cache is read. Never launches on `stream` when false.
+// Returns "" or why the call cannot run: only JAXOVERLAP_TILE_ENTRY (an entry forced for tests
+// and tuning runs, tile_menu.cc) fails it; a selection that cannot time keeps entry 0.
 std::string tile_rs_choose(const TileRsArgs& a, cudaStream_t stream, bool time_it, bool publish,
                            const std::string& cache_dir, TileChoice* out);
 

@@ -121,6 +121,41 @@ def xproc_ops_other():
     return _run("ops", env={"XPROC_SHAPES": "other"})
 
 
+TILE_CASES = "matmul_reduce_scatter_tile,matmul_reduce_scatter_tile_3d"
+
+
+def test_every_tile_entry_across_processes(gpus_any):
+    """Issue 23: every entry of the tile menu, with every store path its selection can pick and
+    the ping-pong entries' TMA tensor stores (not in the selection until this test has run them
+    across processes: kernels/tile_rs.cu, kPpAltEpi), forced in both processes
+    (JAXOVERLAP_TILE_ENTRY=<entry>:<epi>): the tile cases' values, their HLO and their bits
+    repeated. Across processes the peers' staging is CUDA IPC memory, which the tensor stores'
+    maps address; the one-process probe (tile_rs_probe check) never has it. A name of no entry
+    fails the calls with the menu's names -- the knob is read on this path."""
+    from jaxoverlap import runtime
+
+    menu = runtime.native().tile_menu()
+    assert menu and menu[0][0] == "128x256c2x1", menu
+    variants = []
+    for name, alt in menu:
+        variants += [(name, 0), *((name, b) for b in (1, 2, 4, 8) if alt & b)]
+        if name.startswith("pp"):
+            variants.append((name, 4))  # kTileEpiTensorStores
+    bad = []
+    for name, epi in dict.fromkeys(variants):
+        env = {"JAXOVERLAP_TILE_ENTRY": f"{name}:{epi}", "XPROC_ONLY": TILE_CASES}
+        for rank, out in enumerate(_run("ops", env=env)):
+            for case in TILE_CASES.split(","):
+                line = _results(out).get(case)
+                if not line or " OK" not in line:
+                    bad.append(f"{name}:{epi} process {rank}: {line}\n{out[-1500:]}")
+    assert not bad, "\n".join(bad)
+    env = {"JAXOVERLAP_TILE_ENTRY": "no_such_entry", "XPROC_ONLY": TILE_CASES}
+    for rank, out in enumerate(_run("ops", env=env)):
+        line = _results(out).get("matmul_reduce_scatter_tile")
+        assert line and " FAILED" in line and "128x256c2x1" in line, f"{rank}: {line}"
+
+
 @pytest.mark.parametrize("case", ["matmul_reduce_scatter", "matmul_reduce_scatter_tile"])
 def test_stalled_peer_process(gpus_any, case):
     out0, _ = _run("stall", timeout=120, env={"XPROC_CASE": case})
