@@ -163,8 +163,12 @@ if ((GEMM_PROBE)); then
   step gemm-probe 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$PY" \
     tools/probes/gemm_search_probe.py --json "$RESULTS/gemm_search_probe.json"
 fi
+# The nvidia-cublas wheel's lib dir (libcublasLt.so.13 for the carried probe binaries).
+cublas_lib() {
+  "$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null
+}
 if ((TILE_PROBE)); then
-  CUBLAS_LIB=$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null)
+  CUBLAS_LIB=$(cublas_lib)
   # Shapes (tools/shapes.py): the project's 10 and 24 per-device shares of real layers, or with
   # GPU_CHECK_TILE_SEED=S only new random shares drawn with that seed.
   TILE_SHAPES="$LOG/tile-shapes.txt"
@@ -185,7 +189,7 @@ if ((TILE_PROBE)); then
   kill "$SMI" 2>/dev/null
 fi
 if ((TILE_NCU)); then
-  CUBLAS_LIB=$("$PY" -c "import nvidia, os; print(next(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__ if os.path.exists(os.path.join(p, 'cu13', 'lib'))))" 2>/dev/null)
+  CUBLAS_LIB=$(cublas_lib)
   IFS=';' read -r -a NCU_SHAPES <<<"${GPU_CHECK_TILE_NCU:-4 12288 1280 5120;2 14336 2048 4096;8 16384 1792 4096}"
   for shape in "${NCU_SHAPES[@]}"; do
     read -r tp m k n <<<"$shape"
