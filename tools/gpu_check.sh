@@ -27,7 +27,11 @@
 # --tile-ncu: ncu --clock-control none of `tile_rs_probe prof` (one launch of cuBLASLt, then of
 # every entry plain and prod) on the shapes GPU_CHECK_TILE_NCU="TP M K N;..." (default: the three
 # worst pick plain/ref shapes of session 9, docs/measurements.md): the speed-of-light, warp-state
-# and compute-workload sections per kernel, CSV under $OUT/tile-ncu-*.csv.
+# and compute-workload sections per kernel, CSV under $OUT/tile-ncu-*.csv. GPU_CHECK_TILE_NCU_EPI=V:
+# the entries with that epilogue variant (TILE_PROBE_PROF_EPI; 4: the ping-pong entries' tensor
+# stores). GPU_CHECK_TILE_NCU_FULL=1: the first shape also with `--set full` (report
+# $OUT/tile-ncu-full.ncu-rep, its details page and per-instruction SASS page with the warp-stall
+# samples as CSV: where each kernel's issue slots and stalls go).
 # --canary / --live-waits / --tile-ref: tools/probes/tile_live.py (one GPU; build/probes/
 # libtile_live.so, built on the CPU machine by tools/probes/build_tile_live.sh, carried): the race
 # canary (two in-process ranks, 10,000 calls each of the tile kernel, the comm kernel's two
@@ -191,14 +195,25 @@ fi
 if ((TILE_NCU)); then
   CUBLAS_LIB=$(cublas_lib)
   IFS=';' read -r -a NCU_SHAPES <<<"${GPU_CHECK_TILE_NCU:-4 12288 1280 5120;2 14336 2048 4096;8 16384 1792 4096}"
+  NCU_ENV=(env LD_LIBRARY_PATH="$CUBLAS_LIB" TILE_PROBE_PROF_EPI="${GPU_CHECK_TILE_NCU_EPI:-0}")
   for shape in "${NCU_SHAPES[@]}"; do
     read -r tp m k n <<<"$shape"
-    step "tile-ncu-${tp}x${m}x${k}x${n}" 150 env LD_LIBRARY_PATH="$CUBLAS_LIB" ncu \
+    step "tile-ncu-${tp}x${m}x${k}x${n}" 150 "${NCU_ENV[@]}" ncu \
       --clock-control none --profile-from-start off --csv --section SpeedOfLight \
-      --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
+      --section SchedulerStats --section InstructionStats \
       --log-file "$LOG/tile-ncu-${tp}x${m}x${k}x${n}.csv" \
       build/probes/tile_rs_probe prof "$tp" "$m" "$k" "$n"
   done
+  if [[ ${GPU_CHECK_TILE_NCU_FULL:-0} == 1 ]]; then
+    read -r tp m k n <<<"${NCU_SHAPES[0]}"
+    REP="$LOG/tile-ncu-full"
+    step tile-ncu-full 240 "${NCU_ENV[@]}" ncu --clock-control none --profile-from-start off \
+      --set full --import-source no -f -o "$REP" build/probes/tile_rs_probe prof "$tp" "$m" "$k" "$n"
+    [[ -f $REP.ncu-rep ]] && ncu -i "$REP.ncu-rep" --page details --csv >"$REP-details.csv" 2>&1
+    [[ -f $REP.ncu-rep ]] && ncu -i "$REP.ncu-rep" --page source --print-source sass --csv \
+      >"$REP-sass.csv" 2>&1
+  fi
 fi
 for what in "${LIVE[@]}"; do  # tools/probes/tile_live.py: live ranks of the tile kernel, one GPU
   TILE_SHAPES="$LOG/tile-shapes.txt"

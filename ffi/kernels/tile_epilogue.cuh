@@ -168,6 +168,7 @@ class TileEpilogue {
     ++k_;
     last_k_ = k;
     if (kPingpong && a.claims) Sched::claim_next(local, e_, k + 2, a.claims);  // read at end_tile
+    if (a.mode == 9) return;  // tools: the GEMM without its epilogue's stores (tile_rs.h)
     const int64_t row = (int64_t)cute::get<0>(blk) * kTileM;  // the tile's first row
     const int64_t col0 = (int64_t)cute::get<1>(blk) * kTileN;
     if (col0 >= a.N) return;  // a cluster's CTA past the last column (clusters along N)

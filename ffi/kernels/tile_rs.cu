@@ -66,20 +66,14 @@ struct Entry {
 #endif
 #define JAXOVERLAP_TILE_IN(K) ((JAXOVERLAP_TILE_MENU_MASK >> (K)) & 1)
 // The ping-pong entries' alternatives the selection times, each alone against the default
-// (bulk) stores: the lanes' stores. The TMA tensor stores (kTileEpiTensorStores) are bitwise
-// equal and faster (session 9, one H200: the pick over its entry at the bulk stores 0.95-1.00
-// with them in the selection, docs/measurements.md), but their tensor maps address the peers'
-// staging, which two processes (CUDA IPC) or two GPUs (NVLink) map differently from the one
-// process of every run so far: they join the selection (kTileEpiLaneStores |
-// kTileEpiTensorStores) once tests/gpu/test_xproc_gpu.py's every-entry test has run them across
-// two processes. JAXOVERLAP_TILE_ENTRY=<entry>:4 forces them (runtime/tile_menu.cc), and a build
-// with -DJAXOVERLAP_TILE_SELECT_TENSOR_STORES=1 (the probe's FLAGS) selects with them, as session
-// 9's table did. The TMA tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 % slower.
-#if defined(JAXOVERLAP_TILE_SELECT_TENSOR_STORES) && JAXOVERLAP_TILE_SELECT_TENSOR_STORES
+// (bulk) stores: the lanes' stores and the TMA tensor stores (kTileEpiTensorStores; bitwise equal,
+// and faster where picked: session 9, one H200, the pick over its entry at the bulk stores
+// 0.95-1.00, docs/measurements.md). Their tensor maps address the peers' staging, which two
+// processes map through CUDA IPC: tests/gpu/test_xproc_gpu.py's every-entry test ran them so in
+// session 10 (passed) before they joined the selection; across two GPUs (NVLink) they have not
+// run yet. JAXOVERLAP_TILE_ENTRY=<entry>:<epi> forces any variant (runtime/tile_menu.cc). The TMA
+// tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 % slower.
 constexpr int32_t kPpAltEpi = kTileEpiLaneStores | kTileEpiTensorStores;
-#else
-constexpr int32_t kPpAltEpi = kTileEpiLaneStores;
-#endif
 const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(0)
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.

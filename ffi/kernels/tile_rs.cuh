@@ -145,7 +145,7 @@ struct TileKernel {
     g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
     g.total = g.cluster_rows * n * g.cluster_cols;
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
-    g.plain = a.mode == 2;
+    g.plain = a.mode == 2 || a.mode == 9;
     // The own tiles' L2 prefetch of their peer data: tools modes 7 and 8 only. Measured slower in
     // the fused op (docs/tile-schedule.md, "The own tiles' L2 prefetch"): off in production.
     g.prefetch = a.mode == 7 || a.mode == 8;
@@ -157,16 +157,17 @@ struct TileKernel {
   // other: one map of 2m rows, the parity chosen by the row (TileEpilogue).
   static cudaError_t encode_maps(const TileRsArgs& a, EpilogueArgs& e) {
     const int n = a.peers.n, r = a.peers.rank;
-    if ((a.epi & kTileEpiTensorLoads) && a.mode != 2 && a.mode != 5)
+    const bool plain = a.mode == 2 || a.mode == 5 || a.mode == 9;
+    if ((a.epi & kTileEpiTensorLoads) && !plain)
       for (int i = 0; i < n - 1; ++i)
         if (cudaError_t err = encode_store_map(&e.loads[i], a.peers.stage[r] + i * a.slot_bytes,
                                                2 * a.m, a.N))
           return err;
     if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
-    const bool to_out = a.mode == 2 || a.mode == 4 || a.mode == 5 || a.mode == 6;
+    const bool to_out = plain || a.mode == 4 || a.mode == 6;
     if (to_out)
       if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N)) return err;
-    if (a.mode == 2 || a.mode == 5) return cudaSuccess;
+    if (plain) return cudaSuccess;
     for (int j = 0; j < n; ++j)
       if (j != r)
         if (cudaError_t err = encode_store_map(

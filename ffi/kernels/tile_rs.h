@@ -47,7 +47,9 @@ struct TileRsArgs {
   // kernel's GEMM floor); 3 = 1 without the own tiles' adds; 4 = 3 with the foreign tiles stored
   // into out ([n * m, N]) too; 5 = 2 in the fused op's block order; 6 = 4 (before 2026-12-02's
   // last call: 4 without the prefetch below); 7 = 0 and 8 = 1 with the own tiles' L2 prefetch of
-  // their peer data (tile_sched.cuh), which production no longer issues (measured slower).
+  // their peer data (tile_sched.cuh), which production no longer issues (measured slower);
+  // 9 = 2 whose epilogue stores nothing (out is left as it was): the kernel's mainloop and
+  // scheduler alone, what the epilogue's stores cost a plain GEMM.
   int32_t mode;
   int32_t stall_rank;  // test-only: this rank never publishes its tiles (-1: none)
   // Tools only: 1 = each foreign slab's flags published after a full system fence and always a
@@ -72,8 +74,8 @@ struct TileRsArgs {
 // staging slot, both parities as rows 0..2m, or out) encoded at the launch -- instead of 16 row
 // copies per chunk; overrides the other two bits. Ping-pong kernels only (with TensorLoads; a
 // cooperative kernel ignores both unless built with JAXOVERLAP_TILE_TENSOR_COOP=1). Checked and
-// timed on one GPU (session 9); not in the selection until run across two processes
-// (tile_rs.cu's kPpAltEpi says why).
+// timed on one GPU (session 9); in the selection since their first run across two processes
+// (session 10; tile_rs.cu's kPpAltEpi).
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
 constexpr int32_t kTileEpiTensorStores = 4;

@@ -126,8 +126,8 @@ TILE_CASES = "matmul_reduce_scatter_tile,matmul_reduce_scatter_tile_3d"
 
 def test_every_tile_entry_across_processes(gpus_any):
     """Issue 23: every entry of the tile menu, with every store path its selection can pick and
-    the ping-pong entries' TMA tensor stores (not in the selection until this test has run them
-    across processes: kernels/tile_rs.cu, kPpAltEpi), forced in both processes
+    the ping-pong entries' TMA tensor stores (in the selection since this test first ran them
+    across processes, session 10: kernels/tile_rs.cu, kPpAltEpi), forced in both processes
     (JAXOVERLAP_TILE_ENTRY=<entry>:<epi>): the tile cases' values, their HLO and their bits
     repeated. Across processes the peers' staging is CUDA IPC memory, which the tensor stores'
     maps address; the one-process probe (tile_rs_probe check) never has it. A name of no entry

@@ -33,6 +33,8 @@
 //
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
+//          TILE_PROBE_PROF_EPI=V: every entry with TileRsArgs::epi = V (e.g. 4, the ping-pong
+//          entries' TMA tensor stores; a cooperative entry ignores bits it does not compile).
 //
 // Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
 // tile_rs_probe time FILE [--pick] [--json OUT] | tile_rs_probe prof TP M K N
@@ -322,8 +324,9 @@ int kSwizzle = 8;  // jaxoverlap/fused/tile.py's DEFAULT_SWIZZLE (time --swizzle
 constexpr int kEpiAll = kTileEpiLaneStores | kTileEpiBulkStores;
 
 // TILE_PROBE_EPI="V:MODES ..." (e.g. "3:210 1:0"): every entry also with TileRsArgs::epi
-// = V in each listed mode (2 plain, 1 solo, 0 prod), timed in the same interleaved rounds; the
-// summary gives each variant over the same entry's and mode's default (epi 0).
+// = V in each listed mode (2 plain, 1 solo, 0 prod, 9 plain without the epilogue's stores),
+// timed in the same interleaved rounds; the summary gives each variant over the same entry's and
+// mode's default (epi 0; mode 9: over plain).
 struct EpiVariant {
   int epi;
   std::vector<int> modes;
@@ -344,10 +347,14 @@ std::vector<EpiVariant> epi_variants() {
     if (tok.empty() || c == std::string::npos) continue;
     EpiVariant v{std::atoi(tok.substr(0, c).c_str()), {}};
     for (char ch : tok.substr(c + 1))
-      if (ch >= '0' && ch <= '2') v.modes.push_back(ch - '0');
+      if ((ch >= '0' && ch <= '2') || ch == '9') v.modes.push_back(ch - '0');
     out.push_back(v);
   }
   return out;
+}
+
+const char* mode_name(int mode) {
+  return mode == 2 ? "plain" : mode == 1 ? "solo" : mode == 0 ? "prod" : "nostore";
 }
 
 double geomean(const std::vector<double>& v) {
@@ -459,12 +466,14 @@ int main(int argc, char** argv) {
              std::atoll(argv[5])};
     Problem p(sh);
     const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
+    const char* env_epi = std::getenv("TILE_PROBE_PROF_EPI");
+    const int epi = env_epi ? std::atoi(env_epi) : 0;
     auto run_all = [&] {
       if (std::string e = lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); !e.empty())
         std::printf("cuBLASLt: %s\n", e.c_str());
       for (int mode : {2, 0})
         for (int e = 0; e < E; ++e) {
-          CK(launch_tile_rs(p.args(sh, sms, mode, e, kSwizzle), s));
+          CK(launch_tile_rs(p.args(sh, sms, mode, e, kSwizzle, 0, epi), s));
           CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
         }
       CK(cudaStreamSynchronize(s));
@@ -472,7 +481,8 @@ int main(int argc, char** argv) {
     run_all();  // the plan search, loads, warm-up
     run_all();
     CK(cudaProfilerStart());
-    std::printf("profiled: cuBLASLt, then plain (mode 2) and prod (mode 0) of each entry:");
+    std::printf("profiled (epi %d): cuBLASLt, then plain (mode 2) and prod (mode 0) of each entry:",
+                epi);
     for (int e = 0; e < E; ++e) std::printf(" %s", tile_rs_entry_name(e));
     std::printf("\n");
     run_all();
@@ -666,7 +676,7 @@ int main(int argc, char** argv) {
       size_t i = epi_at;
       for (const EpiVariant& v : evs)
         for (int mode : v.modes) {
-          std::printf(" | epi%d %s", v.epi, mode == 2 ? "plain" : mode == 1 ? "solo" : "prod");
+          std::printf(" | epi%d %s", v.epi, mode_name(mode));
           for (int e = 0; e < E; ++e) std::printf(" %.3f", t[i++].ms / ref);
         }
     }
@@ -700,10 +710,10 @@ int main(int argc, char** argv) {
         for (int mode : v.modes)
           for (int e = 0; e < E; ++e, ++i) {
             const size_t base = plain_only && mode != 2 ? 1 + e
-                                : 1 + (mode == 2 ? 0 : mode == 1 ? so : po) + e;
+                                : 1 + (mode == 2 || mode == 9 ? 0 : mode == 1 ? so : po) + e;
             char key[96];
-            std::snprintf(key, sizeof(key), "epi%d %s %s", v.epi,
-                          mode == 2 ? "plain" : mode == 1 ? "solo" : "prod", tile_rs_entry_name(e));
+            std::snprintf(key, sizeof(key), "epi%d %s %s", v.epi, mode_name(mode),
+                          tile_rs_entry_name(e));
             g.epi_row(key).push_back(t[i].ms / t[base].ms);
           }
     }
@@ -735,8 +745,7 @@ int main(int argc, char** argv) {
       for (const EpiVariant& v : evs)
         for (int mode : v.modes)
           for (int e = 0; e < E; ++e)
-            std::fprintf(jf, ", \"%s:%s:epi%d\": %.5f",
-                         mode == 2 ? "plain" : mode == 1 ? "solo" : "prod", tile_rs_entry_name(e),
+            std::fprintf(jf, ", \"%s:%s:epi%d\": %.5f", mode_name(mode), tile_rs_entry_name(e),
                          v.epi, t[i++].ms);
       std::fprintf(jf, "}}");
       std::fflush(jf);  // the rows so far survive a run cut short
