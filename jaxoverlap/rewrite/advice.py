@@ -233,9 +233,17 @@ def before_gather(g, coll_index, dots, limit: int):
                     )
                 if not a.aval.ndim:
                     continue
+                # jax 0.11 types a replicated value varying after broadcasting it (pvary of the
+                # broadcast), jax 0.12 before: look through that no-op cast, and move it too
+                casts = []
+                c = g.made_by(a, "pvary")
+                if c is not None and len(g.eqns[c].outvars) == 1:
+                    casts.append(c)
+                    a = g.eqns[c].invars[0]
                 b = g.made_by(a, "broadcast_in_dim")
                 if b is not None and p not in g.eqns[b].params["broadcast_dimensions"]:
-                    dims[b] = p  # constant along p: broadcast to the local block instead
+                    for j2 in (b, *casts):  # constant along p: broadcast to the local block
+                        dims[j2] = p
                 else:
                     return None, (
                         f"the {name} combines the gathered value with a value that varies along "
