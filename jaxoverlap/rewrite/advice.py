@@ -233,14 +233,7 @@ def before_gather(g, coll_index, dots, limit: int):
                     )
                 if not a.aval.ndim:
                     continue
-                # jax 0.11 types a replicated value varying after broadcasting it (pvary of the
-                # broadcast), jax 0.12 before: look through that no-op cast, and move it too
-                casts = []
-                c = g.made_by(a, "pvary")
-                if c is not None and len(g.eqns[c].outvars) == 1:
-                    casts.append(c)
-                    a = g.eqns[c].invars[0]
-                b = g.made_by(a, "broadcast_in_dim")
+                b, casts = g.broadcast_of(a)  # (and its pvary on jax 0.11, moved with it)
                 if b is not None and p not in g.eqns[b].params["broadcast_dimensions"]:
                     for j2 in (b, *casts):  # constant along p: broadcast to the local block
                         dims[j2] = p

@@ -107,7 +107,7 @@ def match_norm(g, i) -> Match | None:
                 elif p is None or not a.aval.ndim or a.aval.shape[p] == 1:
                     how.append(("input", source(a)))
                 else:
-                    b = g.made_by(a, "broadcast_in_dim")
+                    b, _ = g.broadcast_of(a)  # (through jax 0.11's pvary of the broadcast)
                     if b is None:
                         return None  # a full-size operand along K: not a norm's
                     bd = g.eqns[b].params["broadcast_dimensions"]

@@ -166,6 +166,17 @@ class Graph:
         j = self.producer.get(v) if isinstance(v, core.Var) else None
         return j if j is not None and self.eqns[j].primitive.name in names else None
 
+    def broadcast_of(self, v):
+        """``(b, casts)``: the ``broadcast_in_dim`` equation that made ``v``, looking through
+        one single-operand ``pvary`` (a no-op cast of the manual-axes type), and that cast's
+        equation if there is one; ``(None, ())`` if ``v`` is not a broadcast. (jax 0.11 types a
+        replicated value varying after broadcasting it, jax 0.12 before.)"""
+        c = self.made_by(v, "pvary")
+        if c is not None and len(self.eqns[c].outvars) == 1:
+            b = self.made_by(self.eqns[c].invars[0], "broadcast_in_dim")
+            return (b, (c,)) if b is not None else (None, ())
+        return self.made_by(v, "broadcast_in_dim"), ()
+
     def defined_before(self, atom, i) -> bool:
         return not isinstance(atom, core.Var) or self.producer.get(atom, -1) < i
 
