@@ -197,6 +197,13 @@ def _llama_norm(x, scale, w1, w2):  # RMSNorm of gathered rows, two projections
     return (h @ w1) * jnp.tanh(h @ w2)
 
 
+def _llama_norm_cast_after(x, scale, w1, w2):  # the scale typed varying after its broadcast
+    h = _ag(x)  # (jax 0.11 orders it so itself: pvary(broadcast_in_dim(scale)); 0.12 casts first)
+    s = lax.pcast(lax.broadcast_in_dim(scale, (1, scale.shape[0]), (1,)), "tp", to="varying")
+    h = h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * s
+    return (h @ w1) * jnp.tanh(h @ w2)
+
+
 ROWS = (P("tp", None), P(), P(None, "tp"), P(None, "tp"))
 ROW_PAR = (P(None, "tp"), P("tp", None))
 # body, in specs, out spec, shapes, the op the advice lets the rewrite use, and whether the
@@ -204,6 +211,9 @@ ROW_PAR = (P(None, "tp"), P("tp", None))
 ADVISED = {
     "norm_of_gathered_rows": (_llama_norm, ROWS, P(None, "tp"),
                               [(32, 16), (16,), (16, 32), (16, 32)], "all_gather_matmul", False),
+    "norm_scale_cast_after_broadcast": (_llama_norm_cast_after, ROWS, P(None, "tp"),
+                                        [(32, 16), (16,), (16, 32), (16, 32)],
+                                        "all_gather_matmul", False),
     "tanh_of_gathered_rows": (lambda x, w: jnp.tanh(_ag(x)) @ w, ROWS[::2], P(None, "tp"),
                               [(32, 16), (16, 32)], "all_gather_matmul", True),
     "replicated_scale_before_psum": (lambda x, w: lax.psum((x @ w) * 0.3, "tp"), ROW_PAR, P(),

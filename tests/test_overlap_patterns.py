@@ -56,7 +56,7 @@ def ag_fuses(monkeypatch, native_ok):
 K_SPECS = (P(None, "tp"), P(), P(None, "tp"))
 
 
-def _norm_case(norm, gathered_scale=False):
+def _norm_case(norm, gathered_scale=False, cast_after=False):
     scale_spec = P("tp") if gathered_scale else P()
     specs = (P(None, "tp"), scale_spec, P(None, "tp"))
     x, scale, w = inputs(mesh_1d(), [((64, 256), specs[0]), ((256,), specs[1]),
@@ -67,6 +67,8 @@ def _norm_case(norm, gathered_scale=False):
         h = lax.all_gather(x, "tp", axis=1, tiled=True)  # x sharded over K (features)
         if gathered_scale:
             scale = lax.all_gather(scale, "tp", tiled=True)  # FSDP'd norm scale
+        if cast_after:  # typed varying after its broadcast, as jax 0.11 orders it itself
+            scale = lax.pcast(lax.broadcast_in_dim(scale, h.shape, (1,)), "tp", to="varying")
         if norm == "rms":
             h = rms_norm(h, scale)
         else:
@@ -95,10 +97,11 @@ def _as_accurate(new, fn, args):
             assert _rel(g, w) <= max(2 * _rel(o, w), 1e-2), (_rel(g, w), _rel(o, w))
 
 
-@pytest.mark.parametrize("norm, gathered_scale", [("rms", False), ("layer", False),
-                                                  ("rms", True)])  # fmt: skip
-def test_norm_between_a_gather_along_k_and_its_matmul(ag_fuses, norm, gathered_scale):
-    f, args = _norm_case(norm, gathered_scale)
+@pytest.mark.parametrize("norm, gathered_scale, cast_after", [
+    ("rms", False, False), ("layer", False, False), ("rms", True, False),
+    ("rms", False, True)])  # fmt: skip
+def test_norm_between_a_gather_along_k_and_its_matmul(ag_fuses, norm, gathered_scale, cast_after):
+    f, args = _norm_case(norm, gathered_scale, cast_after)
     new = overlap(f)
     before, after = prims(jax.make_jaxpr(f)(*args)), prims(jax.make_jaxpr(new)(*args))
     assert after["all_gather_matmul"] == 1 and after["all_gather"] == 0, after  # (scale's too)
