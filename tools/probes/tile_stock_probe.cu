@@ -27,6 +27,10 @@
 //   --dup: the first "ours" variant twice (named ...#2): the same launch, two positions.
 //   --epi V,W,...: "ours" with each TileRsArgs::epi value (default 0; named ours:E/swS/epiV for
 //   V != 0; e.g. 4 = kTileEpiTensorStores, 1 = the ping-pong entries' lanes' stores).
+//   (--epi applies to the hybrids and the variants as well.)
+//   --mode M,N,...: "ours", the hybrids and the variants in each TileRsArgs::mode (default 2;
+//   named .../m<M> for M != 2): 9 = the plain GEMM whose epilogue stores nothing (its output is
+//   not checked), which separates the stores' cost from the scheduler's and the mainloop's.
 //   --prof: no timing; per shape one launch of cuBLASLt, ours at band 8 and stock at swizzle 1
 //   between cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
 //   Build: STOCK=1 tools/probes/build_tile_rs_probe.sh (CPU machine).
@@ -115,14 +119,23 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
     std::printf("usage: tile_stock_probe FILE [--json OUT] [--rounds R] [--order shuffle|fixed] "
-                "[--only A,B,...] [--dup] [--epi V,W,...] [--prof]\n");
+                "[--only A,B,...] [--dup] [--epi V,W,...] [--mode M,N,...] [--prof]\n");
     return 2;
   }
   const char* json = nullptr;
   int rounds = 9;
   bool prof = false, shuffle = true, dup = false;
   std::vector<std::string> only;
-  std::vector<int> epis = {0};
+  std::vector<int> epis = {0}, modes = {2};
+  auto int_list = [](const char* c) {
+    std::vector<int> v;
+    while (*c) {
+      v.push_back(std::atoi(c));
+      while (*c && *c != ',') ++c;
+      if (*c) ++c;
+    }
+    return v;
+  };
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--prof") prof = true;
@@ -130,14 +143,8 @@ int main(int argc, char** argv) {
     else if (arg == "--json" && i + 1 < argc) json = argv[++i];
     else if (arg == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (arg == "--order" && i + 1 < argc) shuffle = std::string(argv[++i]) != "fixed";
-    else if (arg == "--epi" && i + 1 < argc) {
-      epis.clear();
-      for (const char* c = argv[++i]; *c;) {
-        epis.push_back(std::atoi(c));
-        while (*c && *c != ',') ++c;
-        if (*c) ++c;
-      }
-    }
+    else if (arg == "--epi" && i + 1 < argc) epis = int_list(argv[++i]);
+    else if (arg == "--mode" && i + 1 < argc) modes = int_list(argv[++i]);
     else if (arg == "--only" && i + 1 < argc) {
       std::string l = argv[++i];
       for (size_t a = 0, b; a <= l.size(); a = b + 1) {
@@ -225,7 +232,8 @@ int main(int argc, char** argv) {
                   }});
     for (int e = 0; e < E; ++e)
       for (int sw : {1, 8})
-      for (int epi : epis) {
+      for (int epi : epis)
+      for (int mode : modes) {
         TileRsArgs a{};
         a.peers.n = tp;
         a.peers.rank = 0;
@@ -234,12 +242,13 @@ int main(int argc, char** argv) {
         a.x = x, a.w = w, a.out = out, a.m = m, a.N = N, a.K = K;
         a.dtype = DType::kBF16;
         a.slot_bytes = tile_rs_slot_bytes(m, N);
-        a.sm_count = sms, a.swizzle = sw, a.entry = e, a.mode = 2, a.stall_rank = -1;
+        a.sm_count = sms, a.swizzle = sw, a.entry = e, a.mode = mode, a.stall_rank = -1;
         a.op = kOpGemmRs;
         a.epi = epi;
         a.timeout_ns = 2000000000ull;
         const std::string name = std::string("ours:") + tile_rs_entry_name(e) + "/sw" +
-                                 std::to_string(sw) + (epi ? "/epi" + std::to_string(epi) : "");
+                                 std::to_string(sw) + (epi ? "/epi" + std::to_string(epi) : "") +
+                                 (mode != 2 ? "/m" + std::to_string(mode) : "");
         if (!wanted(name)) continue;
         vs.push_back({name, [&, a] {
                         if (cudaError_t err = launch_tile_rs(a, s)) return err;
@@ -247,12 +256,19 @@ int main(int argc, char** argv) {
                       }});
       }
     for (const StockEntry& se : kStock)
-      for (int sw : {1, 8}) {
-        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, hflags};
+      for (int sw : {1, 8})
+      for (int epi : epis)
+      for (int mode : modes) {
         const std::string kind = std::string(se.name).rfind("hybv", 0) == 0 ? "var"
                                  : se.name[0] == 'h'                        ? "hybrid"
                                                                             : "stock";
-        const std::string tail = std::string(se.name) + "/sw" + std::to_string(sw);
+        // stock kernels have neither store paths nor modes
+        if (kind == "stock" && (mode != modes[0] || epi != epis[0])) continue;
+        stock::Problem p{x, w, out, M, N, K, sms, sw, 0, ws, ws_bytes, hflags, mode, epi};
+        const std::string tail =
+            std::string(se.name) + "/sw" + std::to_string(sw) +
+            (kind != "stock" && epi ? "/epi" + std::to_string(epi) : "") +
+            (kind != "stock" && mode != 2 ? "/m" + std::to_string(mode) : "");
         if (wanted(kind + ":" + tail))
           vs.push_back({kind + ":" + tail, [&s, p, run = se.run] { return run(p, s); }});
         // the hybrids and variants with our launches' epoch advance after each (as ours)
@@ -289,6 +305,7 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(ref_out, out, M * N * 2, cudaMemcpyDeviceToDevice));
         continue;
       }
+      if (vs[v].name.find("/m9") != std::string::npos) continue;  // stores nothing: unchecked
       CK(cudaMemsetAsync(dd, 0, 8, s));
       diff_kernel<<<1024, 256, 0, s>>>(out, ref_out, M * N, dd);
       CK(cudaMemcpyAsync(hd, dd, 8, cudaMemcpyDeviceToHost, s));
