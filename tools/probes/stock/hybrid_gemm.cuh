@@ -1,8 +1,8 @@
 // Hybrid kernels of tools/probes/tile_stock_probe.cu: our TileKernel (ffi/kernels/tile_rs.cuh:
-// the same collective mainloop and our TileEpilogue, plain mode 2, or 9: no stores) with CUTLASS's own persistent
-// tile scheduler in place of ClaimScheduler (hyb_<name>.cu), or with an experiment variant of
-// ClaimScheduler (var<k>_<name>.cu: tile_sched.cuh's ClaimedTilesVariant<k>). One instantiation
-// per file.
+// the same collective mainloop and our TileEpilogue, plain mode 2, or 9: no stores) with
+// CUTLASS's own persistent tile scheduler in place of ClaimScheduler (hyb_<name>.cu), or with an
+// experiment variant of ClaimScheduler (var<k>_<name>.cu: tile_sched.cuh's
+// ClaimedTilesVariant<k>). One instantiation per file.
 #pragma once
 
 // tile_rs.cuh first: it includes <cudaTypedefs.h>, which CUTLASS's cuda_host_adapter.hpp includes
@@ -35,15 +35,15 @@ struct HybridGemm {
     for (int r = 0; r < 2; ++r) a.peers.flags[r] = static_cast<Flags*>(p.tile_flags);
     a.x = p.x, a.w = p.w, a.out = p.out, a.m = p.M / 2, a.N = p.N, a.K = p.K;
     a.dtype = DType::kBF16;
-    a.sm_count = p.sm_count, a.swizzle = kVariant < 0 ? 1 : p.swizzle, a.mode = p.mode, a.epi = p.epi,
-    a.stall_rank = -1;
+    a.sm_count = p.sm_count, a.swizzle = kVariant < 0 ? 1 : p.swizzle, a.mode = p.mode,
+    a.epi = p.epi, a.stall_rank = -1;
     const typename Ours::Kernel::Arguments o = Ours::arguments(a);
     typename Kernel::Arguments args{};
     args.mode = o.mode;
     args.problem_shape = o.problem_shape;
     args.mainloop = o.mainloop;
     args.epilogue = o.epilogue;
-    // epi 4 (the TMA tensor stores): the plain output's tensor map, as TileKernel::launch encodes it
+    // epi 4 (the TMA tensor stores): the plain output's tensor map, as TileKernel::launch does
     if (cudaError_t e = Ours::encode_maps(a, args.epilogue.a)) return e;
     // no counter: the epilogue claims nothing (variant 3: it claims the static order's tiles)
     args.epilogue.a.claims = kVariant == 3 ? 2 : 0;

@@ -18,7 +18,7 @@ struct Problem {
   void* workspace;
   size_t workspace_bytes;
   void* tile_flags;  // hybrid entries: a zeroed jaxoverlap::Flags (the epilogue reads its epoch)
-  int mode = 2;      // hybrid entries: TileRsArgs::mode (2: plain; 9: plain, the epilogue stores nothing)
+  int mode = 2;      // hybrid entries: TileRsArgs::mode (2: plain; 9: plain, storing nothing)
   int epi = 0;       // hybrid entries: TileRsArgs::epi (the store path: 4 = the TMA tensor stores)
 };
 
