@@ -187,9 +187,7 @@ def worker(process, nproc, port, gpu, calls, steps, timeout_s, backend):
         print("MISMATCH", m)
     ok = not bad and error is None and mem1 - mem0 < 64 * 2**20 and pool_flat
     print(f"STRESS-XPROC process {process}:", "PASSED" if ok else "FAILED", flush=True)
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier("stress/done", 120_000)
+    _done("stress/done")
     return 0 if ok else 1
 
 
@@ -362,8 +360,21 @@ def memory_worker(process, nproc, port, gpu, fresh, sizes, bound_mib=0, backend=
           f"{'bounded' if bounded else 'NOT AS PREDICTED'} (jaxoverlap's own workspaces: "
           f"{mib(grew):.1f} MiB, predicted {mib(want):.1f}, cap {mib(cap):.0f} MiB)",
           flush=True)  # fmt: skip
-    kv.wait_at_barrier("memory/done", 120_000)
+    _done("memory/done")
     return 0 if flat and bounded and not wrong else 1
+
+
+def _done(barrier):
+    """Every process has its verdict: meet at `barrier`, then leave the group through
+    jax.distributed's shutdown, whose own barrier keeps process 0 -- the coordination service's
+    host -- alive until every process has disconnected. (A bare os._exit after the barrier let
+    process 0 exit first: a peer's error-polling thread then saw the service gone and aborted
+    that peer, exit -6, after its work had passed: a CPU test failed that way in CI.)"""
+    import jax
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(barrier, 120_000)
+    jax.distributed.shutdown()
 
 
 def run(nproc, calls, steps, timeout_s, deadline_s, backend="fused", memory=None):
