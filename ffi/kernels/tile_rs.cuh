@@ -144,6 +144,7 @@ struct TileKernel {
     g.cluster_cols = (tiles_n + kClusterN - 1) / kClusterN;
     g.swizzle = a.swizzle > 0 ? a.swizzle : 1;
     g.total = g.cluster_rows * n * g.cluster_cols;
+    g.set_divisors();
     e.own_first = (n - 1) * g.cluster_rows * g.cluster_cols;  // claim order: own block last
     g.plain = a.mode == 2 || a.mode == 9;
     // The own tiles' L2 prefetch of their peer data: tools modes 7 and 8 only. Measured slower in

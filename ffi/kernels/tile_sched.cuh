@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 
 #include "kernels/tile_rs.h"
@@ -36,6 +37,23 @@ struct Geometry {
   int32_t total;         // cluster tiles of the whole problem
   int32_t plain;         // mode 2: natural block order
   int32_t prefetch;      // own tiles' peer partials pulled into L2 ahead (tools modes 7, 8)
+  // decode's divisors, their multipliers computed on the host (set_divisors): a runtime `/` is a
+  // software division sequence on the GPU (I2F.RP, MUFU.RCP, F2I), ~25 instructions each, where
+  // CUTLASS's own scheduler multiplies (issue 23, session 11: the one systematic SASS difference
+  // between our static order and CUTLASS's scheduler outside the identical k-loops).
+  cutlass::FastDivmod per_block{1};  // cluster_rows * cluster_cols: cluster tiles per rank block
+  cutlass::FastDivmod band{1};       // swizzle * cluster_cols: cluster tiles per full band
+  cutlass::FastDivmod rows{1};       // swizzle: cluster rows of a full band
+  cutlass::FastDivmod last_rows{1};  // cluster_rows % swizzle (the last band's rows), or 1
+  int32_t full_bands;                // cluster_rows / swizzle
+
+  void set_divisors() {
+    per_block = cutlass::FastDivmod(cluster_rows * cluster_cols);
+    band = cutlass::FastDivmod(swizzle * cluster_cols);
+    rows = cutlass::FastDivmod(swizzle);
+    full_bands = cluster_rows / swizzle;
+    last_rows = cutlass::FastDivmod(cluster_rows % swizzle ? cluster_rows % swizzle : 1);
+  }
 };
 
 // One ring per CTA: entry k % kRing holds ((k + 1) << 32) | tile of the CTA's k-th tile.
@@ -414,13 +432,14 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
   // block, bands of `swizzle` cluster rows, column-major inside a band.
   static CUTLASS_DEVICE Tile decode(const Geometry& g, int32_t t) {
     if (t >= g.total) return Tile::invalid_work_tile();
-    const int32_t per_block = g.cluster_rows * g.cluster_cols;
-    const int32_t vb = t / per_block, i = t - vb * per_block;
-    const int32_t band = i / (g.swizzle * g.cluster_cols);
-    const int32_t rows = min(g.swizzle, g.cluster_rows - band * g.swizzle);
-    const int32_t ii = i - band * g.swizzle * g.cluster_cols;
-    const int32_t cm = band * g.swizzle + ii % rows, cn = ii / rows;
-    const int32_t block = g.plain ? vb : (vb + g.rank + 1) % g.n;
+    int vb, i, band, ii, cn, cmb;
+    g.per_block(vb, i, t);
+    g.band(band, ii, i);
+    // a full band of g.swizzle cluster rows, or the block's last, shorter one
+    (band < g.full_bands ? g.rows : g.last_rows)(cn, cmb, ii);
+    const int32_t cm = band * g.swizzle + cmb;
+    const int32_t vr = vb + g.rank + 1;  // < 2 n
+    const int32_t block = g.plain ? vb : (vr >= g.n ? vr - g.n : vr);
     const dim3 c = cute::block_id_in_cluster();
     const int32_t m_idx = (block * g.cluster_rows + cm) * kClusterM + (int32_t)c.x;
     return {m_idx, cn * kClusterN + (int32_t)c.y, 0, true};
