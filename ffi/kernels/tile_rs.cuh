@@ -49,15 +49,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // The tensor maps of epi kTileEpiTensorStores / Loads (EpilogueArgs::maps, loads): a 16-bit [rows, N] row-major
-// matrix at base, 16 x 32 boxes, 64-byte swizzle (tile_slab.cuh's store_tensor).
-inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, int64_t N) {
+// matrix at base, 16 x box_cols boxes, 64-byte swizzle (32 columns: the loads' units, and the
+// stores' at kTStoreCols 32) or 128-byte (64 columns) (tile_slab.cuh's store_tensor).
+inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, int64_t N,
+                                    int box_cols = 32) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (!encode) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)N * 2};
-  const cuuint32_t box[2] = {32, 16}, elem[2] = {1, 1};
+  const cuuint32_t box[2] = {(cuuint32_t)box_cols, 16}, elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, base, dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                             CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -167,12 +170,14 @@ struct TileKernel {
     if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
     const bool to_out = plain || a.mode == 4 || a.mode == 6;
     if (to_out)
-      if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N)) return err;
+      if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N, kTStoreCols))
+        return err;
     if (plain) return cudaSuccess;
     for (int j = 0; j < n; ++j)
       if (j != r)
         if (cudaError_t err = encode_store_map(
-                &e.maps[j], a.peers.stage[j] + stage_slot(r, j, n) * a.slot_bytes, 2 * a.m, a.N))
+                &e.maps[j], a.peers.stage[j] + stage_slot(r, j, n) * a.slot_bytes, 2 * a.m, a.N,
+                kTStoreCols))
           return err;
     return cudaSuccess;
   }

@@ -58,6 +58,24 @@ __device__ __forceinline__ uint32_t tensor_swz(uint32_t addr) {
   return addr ^ (((addr >> 7) & 3u) << 4);
 }
 
+// The TMA tensor stores' box (kTileEpiTensorStores): 16 rows x kTStoreCols columns, rows of
+// 2 kTStoreCols bytes in CU_TENSOR_MAP_SWIZZLE_64B (32 columns) or _128B (64 columns), in
+// kTStoreBufs buffers per warp (aliasing the chunk and unit buffers). 64 columns: half the TMA
+// operations per tile (16 instead of 32 for a 128 x 128 tile).
+#ifndef JAXOVERLAP_TILE_TSTORE_COLS
+#define JAXOVERLAP_TILE_TSTORE_COLS 32
+#endif
+constexpr int kTStoreCols = JAXOVERLAP_TILE_TSTORE_COLS;
+static_assert(kTStoreCols == 32 || kTStoreCols == 64, "tensor-store boxes of 32 or 64 columns");
+constexpr int kTStoreBytes = 16 * kTStoreCols * 2;
+constexpr int kTStoreBufs = kSlabBytes / kTStoreBytes;
+static_assert(kTStoreBufs >= 2, "two tensor-store buffers per warp at least");
+// The tensor stores' swizzle as TMA applies it: the 16-byte piece (address bits 4-5, or 4-6)
+// XOR bits 7-8 (or 7-9) of the absolute shared address.
+__device__ __forceinline__ uint32_t tstore_swz(uint32_t addr) {
+  return addr ^ (((addr >> 7) & (uint32_t)(kTStoreCols / 8 - 1)) << 4);
+}
+
 // The loads of an own slab's peer units -- chunk c (32 columns) of source s, c-major, s in rank
 // order -- into a warp's unit buffers (unit u in buffer u % kUnitBufs): each next() loads one
 // (the lane's 32 bytes of its row, 16 at a time) and commits it as one cp.async group of every
@@ -321,22 +339,22 @@ struct SlabIO {
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smf);
     const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mpiece = lane >> 4;
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kTileN / 32; ++c) {
-      if (x0 + 32 * c >= N) break;  // warp-uniform
-      const uint32_t buf = sbase + (chunk % kUnitBufs) * kUnitBytes;
+    for (int c = 0; c < kTileN / kTStoreCols; ++c) {
+      if (x0 + kTStoreCols * c >= N) break;  // warp-uniform
+      const uint32_t buf = sbase + (chunk % kTStoreBufs) * kTStoreBytes;
       ++chunk;
-      if (lane == 0) tma_wait_read<kUnitBufs - 1>();  // the store that used this buffer read it
+      if (lane == 0) tma_wait_read<kTStoreBufs - 1>();  // the store that used this buffer read it
       __syncwarp();
       CUTLASS_PRAGMA_UNROLL
-      for (int gp = 0; gp < 2; ++gp) {
+      for (int gp = 0; gp < kTStoreCols / 16; ++gp) {
         uint32_t r[4];
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < 4; ++mi) {
-          const int i = 4 * (4 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
+          const int i = 4 * (kTStoreCols / 8 * c + 2 * gp + mi / 2) + 2 * (mi % 2);
           r[mi] = Half2<Element>::pack(acc(i), acc(i + 1));
         }
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                         tensor_swz(buf + mrow * 64 + 16 * (2 * gp + mpiece))),
+                         tstore_swz(buf + mrow * (2 * kTStoreCols) + 16 * (2 * gp + mpiece))),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
       }
@@ -346,7 +364,7 @@ struct SlabIO {
         asm volatile(
             "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                 map),
-            "r"(x0 + 32 * c), "r"(y0), "r"(buf)
+            "r"(x0 + kTStoreCols * c), "r"(y0), "r"(buf)
             : "memory");
         tma_commit();
       }
