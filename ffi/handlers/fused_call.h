@@ -274,8 +274,10 @@ struct CudaRuntime {
   // the outputs if a wait of this rank gave up; epoch + 1) and records the workspace's done
   // event after it.
   // `op` (OpCode): the call's op, named by the report of a peer's give-up (the error record).
+  // `finished`: the call's kernel ran the finish itself (the tile kernel's last CTA): only the
+  // done event.
   static std::string join(Stream s, Device* dev, const Partition* part, bool gemm, Workspace* ws,
-                          int rank, const Output& out, int op) {
+                          int rank, const Output& out, int op, bool finished) {
     if (part) {
       if (gemm) CK(cudaEventRecord(dev->gemm_done, part->gemm));
       CK(cudaEventRecord(dev->comm_done, part->comm));
@@ -283,8 +285,11 @@ struct CudaRuntime {
       CK(cudaStreamWaitEvent(s, dev->comm_done));
     }
     ErrorRecord* err = ws->spans ? error_record(ws->ordinals[rank]) : nullptr;
-    CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype, s, false,
-                            out.data2, out.bytes2, err, ws->ordinals[rank], rank, nullptr, op));
+    if (!finished) {
+      CK(launch_finish_poison(ws->peers[rank].flags[rank], out.data, out.bytes, out.dtype, s,
+                              false, out.data2, out.bytes2, err, ws->ordinals[rank], rank, nullptr,
+                              op));
+    }
     CK(record_done(ws->done[rank], s));
     return "";
   }

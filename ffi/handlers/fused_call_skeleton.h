@@ -196,10 +196,11 @@ class BasicFusedCall {
     return rt_.fork(call_.stream, dev_, streams_, gemm, spec_.uses, ws_, rank_);
   }
   // XLA's stream waits for the streams forked, the finish kernel (NaN if a wait gave up; a
-  // peer's give-up reported as a call of this op), the workspace's done event.
-  std::string join() {
+  // peer's give-up reported as a call of this op), the workspace's done event. `finished`: the
+  // call's last kernel finished it itself (the tile kernel): no finish kernel.
+  std::string join(bool finished = false) {
     joined_ = true;
-    return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_, op_);
+    return rt_.join(call_.stream, dev_, streams_, gemm_, ws_, rank_, out_, op_, finished);
   }
 
  private:

@@ -94,9 +94,10 @@ ffi::Error GemmRsTile(const Call& call, ffi::AnyBuffer x, ffi::AnyBuffer w,
     if (std::string e = tile_setup(&a, c.stream()); !e.empty()) return e;
     // No fork: XLA's stream waits for the previous call of the workspace and runs it all.
     if (std::string e = c.fork(/*gemm=*/false); !e.empty()) return e;
+    // The kernel ends the call itself (its last CTA releases the slots, fills NaN if a wait
+    // gave up, advances the epoch): the join launches no finish kernel.
     CK(launch_tile_rs(a, c.stream()));
-    CK(launch_release_slots(peers, c.stream()));
-    return c.join();
+    return c.join(/*finished=*/true);
   });
 }
 

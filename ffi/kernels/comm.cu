@@ -371,55 +371,15 @@ __global__ void release_slots_kernel(const __grid_constant__ Peers p) {
   if (s < p.n && s != p.rank) st_release_sys(&p.flags[s]->slot_free[p.rank], e);
 }
 
-// Every counted call ends with one of the two finish kernels below (join or close_call): the
-// epoch advances, and the ticket counter of the next call (Flags::claim of its epoch parity: the
-// reduce-push CTAs above, the tile schedule's tiles) is zeroed -- here, not by the next call's
-// kernel, because a call refused or given up before its launch runs no kernel but this one, and
-// the counter of the call after it would otherwise still hold the count of two calls before.
-__device__ __forceinline__ void finish_epoch(Flags* local, uint32_t epoch) {
-  local->claim[(epoch + 2u) & 1u] = 0;  // the next call's target is epoch + 2
-  local->epoch = epoch + 1u;
-}
-
+// The finish kernels (finish_epoch, finish_call: common.cuh).
 __global__ void finish_kernel(Flags* local) { finish_epoch(local, local->epoch); }
 
-// The finish kernel of a call with an output: if a wait of this rank gave up in this call (or
-// `force`: its host failed), or a peer process poisoned it (Flags::poison_from; reported in
-// `err` if given, as a call of `op`), the output is wrong: fill it with NaN (16-bit pattern `nan`) so it cannot
-// pass for a result; then advance the epoch. One block: the common case costs what
-// finish_kernel costs.
-// `abort` (with `force`): raise the call's abort word first, by the epoch the device counted
-// (close_call, handlers/fused_call.h).
+// The finish kernel of a call with an output (finish_call, common.cuh). One block: the common case
+// costs what finish_kernel costs.
 __global__ void finish_poison_kernel(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
                                      int64_t elems2, uint16_t nan, int force, ErrorRecord* err,
                                      int device, int rank, uint32_t* abort, int op) {
-  const uint32_t epoch = local->epoch;
-  if (force && abort && threadIdx.x == 0) {
-    *(volatile uint32_t*)abort_word(abort, epoch + 1u) = epoch + 1u;
-    __threadfence_system();
-  }
-  const uint32_t from = *(volatile uint32_t*)&local->poison_from;
-  const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
-  if (poisoned && err && threadIdx.x == 0) {
-    if (volatile ErrorRecord* r = claim_error_record(err)) {
-      r->op = op;  // the call's op (OpCode), so the report names it
-      r->what = kPeerGaveUp;
-      r->device = device;
-      r->rank = rank;
-      r->peer = -1;
-      r->chunk = -1;
-      r->target = epoch + 1u;
-      r->seen = from;
-      r->waited_s = 0;
-      publish_error_record(r);
-    }
-  }
-  if (force || poisoned || local->gave_up == epoch + 1u) {
-    for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) out[i] = nan;
-    for (int64_t i = threadIdx.x; i < elems2; i += blockDim.x) out2[i] = nan;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) finish_epoch(local, epoch);
+  finish_call(local, out, elems, out2, elems2, nan, force, err, device, rank, abort, op);
 }
 
 }  // namespace

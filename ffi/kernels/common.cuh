@@ -51,7 +51,10 @@ struct Flags {
   // The tile-fused GEMM + reduce-scatter (tile_rs.cuh): tiles handed out so far in the call of
   // each epoch parity (the call of one parity zeroes the other's).
   uint32_t claim[2];
-  uint32_t pad0[27];
+  // The tile kernel's CTAs that have ended in the call of each epoch parity (tile_rs.cuh,
+  // end_call: the last one finishes the call); zeroed as claim is.
+  uint32_t exits[2];
+  uint32_t pad0[25];
   uint32_t ready[kMaxRanks * kMaxChunks];                  // local GEMM chunk finished
   uint32_t arrive[kMaxRanks][kMaxChunks][kMaxSenders];    // [source rank][chunk][sender CTA]
   uint32_t slot_free[kMaxRanks];                           // [dest rank]: dest consumed my data
@@ -146,6 +149,56 @@ __device__ __forceinline__ volatile ErrorRecord* claim_error_record(ErrorRecord*
 __device__ __forceinline__ void publish_error_record(volatile ErrorRecord* r) {
   __threadfence_system();
   r->set = 1;
+}
+
+// Every counted call ends with one finish: comm.cu's finish kernels (the join, close_call), or the
+// tile kernel's last CTA (tile_rs.cuh, end_call). The epoch advances, and the ticket counters of
+// the next call (Flags::claim of its epoch parity: the reduce-push CTAs, the tile schedule's
+// tiles; Flags::exits) are zeroed -- here, not by the next call's kernel, because a call refused
+// or given up before its launch runs no kernel but this one, and the counter of the call after
+// it would otherwise still hold the count of two calls before.
+__device__ __forceinline__ void finish_epoch(Flags* local, uint32_t epoch) {
+  local->claim[(epoch + 2u) & 1u] = 0;  // the next call's target is epoch + 2
+  local->exits[(epoch + 2u) & 1u] = 0;
+  local->epoch = epoch + 1u;
+}
+
+// The finish of a call with an output, by every thread of one CTA: if a wait of this rank gave
+// up in this call (or `force`: its host failed), or a peer process poisoned it
+// (Flags::poison_from; reported in `err` if given, as a call of `op`), the output is wrong: fill
+// it with NaN (16-bit pattern `nan`) so it cannot pass for a result; then advance the epoch.
+// `abort` (with `force`): raise the call's abort word first, by the epoch the device counted
+// (close_call, handlers/fused_call.h).
+__device__ inline void finish_call(Flags* local, uint16_t* out, int64_t elems, uint16_t* out2,
+                                   int64_t elems2, uint16_t nan, int force, ErrorRecord* err,
+                                   int device, int rank, uint32_t* abort, int op) {
+  const uint32_t epoch = local->epoch;
+  if (force && abort && threadIdx.x == 0) {
+    *(volatile uint32_t*)abort_word(abort, epoch + 1u) = epoch + 1u;
+    __threadfence_system();
+  }
+  const uint32_t from = *(volatile uint32_t*)&local->poison_from;
+  const bool poisoned = from && (int32_t)(epoch + 1u - from) >= 0;
+  if (poisoned && err && threadIdx.x == 0) {
+    if (volatile ErrorRecord* r = claim_error_record(err)) {
+      r->op = op;  // the call's op (OpCode), so the report names it
+      r->what = kPeerGaveUp;
+      r->device = device;
+      r->rank = rank;
+      r->peer = -1;
+      r->chunk = -1;
+      r->target = epoch + 1u;
+      r->seen = from;
+      r->waited_s = 0;
+      publish_error_record(r);
+    }
+  }
+  if (force || poisoned || local->gave_up == epoch + 1u) {
+    for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) out[i] = nan;
+    for (int64_t i = threadIdx.x; i < elems2; i += blockDim.x) out2[i] = nan;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) finish_epoch(local, epoch);
 }
 
 struct WaitSite {

@@ -65,6 +65,58 @@ inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The end of a call, run by every thread of every CTA of the tile kernel after CUTLASS's kernel:
+// the thread's TMA stores complete (wait_group 0, then ordered before generic accesses: a tile's
+// stores to out may still be in flight, and a NaN fill below must come after them); the CTA
+// counts itself out (Flags::exits, acq_rel); the grid's last CTA then does what the release
+// and finish kernels did after the kernel until session 12 (two launches less per call): it
+// releases this rank's staging slots to the peers (every own tile's loads of them came before
+// some CTA's count), fills the output with NaN if a wait of this rank gave up or a peer process
+// poisoned the call, and advances the epoch (finish_call, common.cuh). The epoch it reads is the
+// call's: nothing changes it before every CTA has counted. An emulated group (one flag block for
+// every rank: the probes' and the selection's scratch timing) releases for its emulated peers
+// too (the slot each foreign tile's store waits for).
+CUTLASS_DEVICE void end_call(const EpilogueArgs& a, uint32_t ctas) {
+  tma_wait_all();
+  fence_proxy_async();
+  __syncthreads();
+  const Peers& p = a.peers;
+  Flags* local = p.flags[p.rank];
+  int last = 0;
+  if (threadIdx.x == 0) {
+    const uint32_t e = *(volatile uint32_t*)&local->epoch + 1u;
+    uint32_t before;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(&local->exits[e & 1u])
+                 : "memory");
+    last = before == ctas - 1;
+  }
+  if (!__syncthreads_or(last)) return;
+  const uint32_t e = local->epoch + 1u;
+  const int s = (int)threadIdx.x;
+  if (s < p.n && s != p.rank) {
+    if (p.flags[s] == local)
+      st_release_sys(&local->slot_free[s], e);
+    else
+      st_release_sys(&p.flags[s]->slot_free[p.rank], e);
+  }
+  // tools modes 2 and 9 write the whole [n m, N] product (a plain GEMM), the others the block
+  const int64_t elems = (a.mode == 2 || a.mode == 9 ? p.n : 1) * a.m * a.N;
+  finish_call(local, reinterpret_cast<uint16_t*>(a.out), elems, nullptr, 0, 0x7fc0u, 0, a.err,
+              p.device, p.rank, nullptr, a.op);
+}
+
+// The tile kernel: CUTLASS's kernel (cutlass::device_kernel's body), then the call's end.
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
+    tile_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ char smem[];
+  Kernel op;
+  op(params, smem);
+  end_call(params.epilogue.a, gridDim.x * gridDim.y * gridDim.z);
+}
+
 // One menu entry: tiles 128 x kTileN (256 or 128), clusters of kClusterM x kClusterN CTAs (along
 // M they share w's tile, along N x's). Cooperative: the two consumer warpgroups share each tile
 // (64 rows each). Ping-pong (kPingpong): each warpgroup runs a whole tile, and one's epilogue
@@ -96,8 +148,8 @@ struct TileKernel {
 
   static cudaError_t preload() {
     cudaFuncAttributes attr;
-    if (cudaError_t e = cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>)) return e;
-    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, tile_kernel<Kernel>)) return e;
+    return cudaFuncSetAttribute(tile_kernel<Kernel>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 Kernel::SharedStorageSize);
   }
@@ -211,7 +263,7 @@ struct TileKernel {
     cudaLaunchConfig_t cfg = config(params, nullptr, &cluster);
     int clusters = 0;
     if (cudaError_t e =
-            cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg))
+            cudaOccupancyMaxActiveClusters(&clusters, tile_kernel<Kernel>, &cfg))
       return e;
     return clusters > 0 ? cudaSuccess : cudaErrorInvalidClusterSize;
   }
@@ -223,7 +275,7 @@ struct TileKernel {
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
     cudaLaunchAttribute cluster;
     cudaLaunchConfig_t cfg = config(params, stream, &cluster);
-    return cudaLaunchKernelEx(&cfg, cutlass::device_kernel<Kernel>, params);
+    return cudaLaunchKernelEx(&cfg, tile_kernel<Kernel>, params);
   }
 };
 

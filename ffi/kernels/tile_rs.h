@@ -112,12 +112,16 @@ cudaError_t preload_tile_entry(int entry, bool w_colmajor);
 // Whether entry a.entry can launch the problem of `a` (CUTLASS's can_implement; its cluster fits
 // on the GPU): cudaSuccess or why not. Preloads the entry.
 cudaError_t check_tile_entry(const TileRsArgs& a);
+// The call's kernel and its end: the kernel's last CTA releases the peers' staging slots, fills
+// the output with NaN if a wait gave up and advances the epoch (tile_rs.cuh, end_call): no
+// release or finish kernel follows it. In an emulated group (every rank's flags one block: the
+// probes, the selection's scratch timing) it releases for the emulated peers too.
 cudaError_t launch_tile_rs(const TileRsArgs& a, cudaStream_t stream);
 
-// Ends a call of an emulated group of n ranks whose flags are all `flags` (one GPU, timing the
-// kernels back to back: runtime/tile_menu.cc, the probes), on `stream`: every peer has released
-// the staging it read (what their launch_release_slots does; mode 0's foreign tiles wait for
-// it), and the epoch advances (the claim counters alternate per call).
+// Ends a call of an emulated group of n ranks whose flags are all `flags`, for kernels that do
+// not end their calls themselves (the stock probe's hybrids: CUTLASS's kernel with our epilogue),
+// on `stream`: every peer has released the staging it read, and the epoch advances (the claim
+// counters alternate per call).
 cudaError_t tile_rs_finish_emulated(Flags* flags, int n, cudaStream_t stream);
 
 }  // namespace jaxoverlap

@@ -168,10 +168,11 @@ struct FakeRuntime {
     return "";
   }
   static std::string join(Stream s, Device*, const Partition* p, bool gemm, Workspace*, int rank,
-                          const Output& out, int op) {
+                          const Output& out, int op, bool finished) {
     log("join stream=" + std::to_string(s) + " streams=" + streams_name(p) + " gemm=" +
         std::to_string(gemm) + " rank=" + std::to_string(rank) + " out=" +
-        std::to_string(out.id) + " op=" + std::to_string(op));
+        std::to_string(out.id) + " op=" + std::to_string(op) +
+        (finished ? " finished by the kernel" : ""));
     return "";
   }
 };

@@ -371,9 +371,7 @@ long long tl_canary_tile(int calls, long long m, long long N, long long K, int j
       if (r == 1) delay_kernel<<<1, 1, 0, s>>>(kDelaysUs[d] * 1000ull);
       canary_fill_x<<<grid_for(2 * m * K), 256, 0, s>>>(p.x[r], 2 * m, K, m, fc, e, r);
       TileRsArgs a = p.tile(r, sms, 0, entry, kSwizzle, wcol);
-      CK(launch_tile_rs(a, s));
-      CK(launch_release_slots(a.peers, s));
-      CK(launch_finish(p.flags[r], s));
+      CK(launch_tile_rs(a, s));  // the kernel ends the call (release, epoch)
       canary_check<<<grid_for(m * N), 256, 0, s>>>(p.out[r], m, N, fc, e, r, Pair::n, 0, c,
                                                    cn.miss);
     }
@@ -597,10 +595,8 @@ int tl_live(long long M, long long K, long long N, const char* cache_dir, double
       } else {
         TileRsArgs a = p.tile(r, sms, v == 1 ? 0 : 1, pick.entry, pick.swizzle, false);
         a.epi = pick.epi;
-        CK(launch_tile_rs(a, p.s[r]));
+        CK(launch_tile_rs(a, p.s[r]));  // the kernel ends the call (release, epoch)
         CK(cudaEventRecord(ev[2 + r], p.s[r]));
-        CK(launch_release_slots(a.peers, p.s[r]));
-        CK(launch_finish(p.flags[r], p.s[r]));
       }
     }
     CK(cudaEventRecord(ev[5], p.s[1]));

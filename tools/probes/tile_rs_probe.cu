@@ -86,8 +86,6 @@ __global__ void ref_gemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* 
   if (i < M && j < N) c[(int64_t)i * N + j] = (accumulate ? c[(int64_t)i * N + j] : 0) + acc;
 }
 
-__global__ void finish(Flags* f) { f->epoch += 1; }
-
 struct Rank {
   __nv_bfloat16 *x, *w, *out;
   char* stage;
@@ -171,9 +169,7 @@ bool check(int64_t M, int64_t K, int64_t N, int w_col, int calls, int n, const i
     for (int r = 0; r < n; ++r) {
       TileRsArgs a = make_args(rk, r, n, m, N, K, w_col, abort, err, sms, 0, entries[r]);
       a.epi = epis ? epis[r] : 0;
-      CK(launch_tile_rs(a, rk[r].stream));
-      CK(launch_release_slots(a.peers, rk[r].stream));
-      finish<<<1, 1, 0, rk[r].stream>>>(rk[r].flags);
+      CK(launch_tile_rs(a, rk[r].stream));  // the kernel ends the call (release, epoch)
     }
     CK(cudaDeviceSynchronize());
     if (err->set) {
@@ -376,14 +372,6 @@ int main(int argc, char** argv) {
   // waits for that kernel, whose peer is launched only after the load (seen: the first check
   // timed out; DESIGN.md's decision 5).
   cudaFuncAttributes attr;
-  CK(cudaFuncGetAttributes(&attr, finish));
-  {  // the library's end of an emulated call (time, prof: every variant; one flag block)
-    Flags* f;
-    CK(cudaMalloc(&f, sizeof(Flags)));
-    CK(tile_rs_finish_emulated(f, 2, nullptr));
-    CK(cudaDeviceSynchronize());
-    CK(cudaFree(f));
-  }
   CK(cudaFuncGetAttributes(&attr, ref_gemm));
   const std::string what = argc > 1 ? argv[1] : "check";
   if (what == "check") {
@@ -474,7 +462,6 @@ int main(int argc, char** argv) {
       for (int mode : {2, 0})
         for (int e = 0; e < E; ++e) {
           CK(launch_tile_rs(p.args(sh, sms, mode, e, kSwizzle, 0, epi), s));
-          CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
         }
       CK(cudaStreamSynchronize(s));
     };
@@ -597,9 +584,8 @@ int main(int argc, char** argv) {
     auto tile = [&](int mode, int entry, int swizzle, int legacy = 0,
                     int epi = 0) -> std::function<void()> {
       TileRsArgs a = p.args(sh, sms, mode, entry, swizzle, legacy, epi);
-      return [&, a] {  // each call ends with the epoch's advance (the claim counters alternate)
+      return [&, a] {  // the kernel ends each call (the emulated peers' release, the epoch)
         CK(launch_tile_rs(a, s));
-        CK(tile_rs_finish_emulated(p.rk[0].flags, sh.tp, s));
       };
     };
     std::vector<std::function<void()>> fns = {
