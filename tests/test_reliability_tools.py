@@ -273,13 +273,21 @@ def test_training_initcheck_fills_gemm_outputs(tmp_path, monkeypatch):
 
 
 def test_the_race_canary_ends_each_call_with_the_librarys_finish():
-    """The canary's calls end with launch_finish (kernels/comm.h), which also zeroes the next
-    call's reduce-push ticket counter: a finish of the probe's own that only advanced the epoch
-    made the comm canary's CTAs draw tickets past the grid from the third call on, and the part
-    hung (issue 25, item 2)."""
+    """The canary's calls end with the library's finish, which also zeroes the next call's ticket
+    counters: a finish of the probe's own that only advanced the epoch made the comm canary's
+    CTAs draw tickets past the grid from the third call on, and the part hung (issue 25, item
+    2). The comm and chunked parts launch it (launch_finish, kernels/comm.h); the tile kernel
+    ends its own calls (session 12: tile_rs.cuh, end_call), so no finish may follow it -- a
+    second one would advance the epoch twice per call."""
     text = open(os.path.join(ROOT, "tools", "probes", "tile_live.cu")).read()
     assert not re.search(r"__global__ void \w*finish\w*\(", text)
-    assert len(re.findall(r"launch_finish\(", text)) >= 4  # tile, comm, chunked, live
+    assert len(re.findall(r"launch_finish\(", text)) >= 2  # comm, chunked
+    lines = text.splitlines()
+    tile = [i for i, line in enumerate(lines) if "launch_tile_rs(" in line]
+    assert len(tile) >= 2  # the canary's tile part, the live waits
+    for i in tile:
+        after = "\n".join(lines[i + 1 : i + 5])
+        assert "launch_finish" not in after and "launch_release_slots" not in after, lines[i]
 
 
 def test_sanitize_only_selects_the_training_workers_cases(tmp_path, monkeypatch):
