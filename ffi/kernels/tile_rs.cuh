@@ -66,19 +66,19 @@ inline cudaError_t encode_store_map(CUtensorMap* map, void* base, int64_t rows, 
 }
 
 // The end of a call, run by every thread of every CTA of the tile kernel after CUTLASS's kernel:
-// the thread's TMA stores complete (wait_group 0, then ordered before generic accesses: a tile's
-// stores to out may still be in flight, and a NaN fill below must come after them); the CTA
-// counts itself out (Flags::exits, acq_rel); the grid's last CTA then does what the release
-// and finish kernels did after the kernel until session 12 (two launches less per call): it
-// releases this rank's staging slots to the peers (every own tile's loads of them came before
-// some CTA's count), fills the output with NaN if a wait of this rank gave up or a peer process
-// poisoned the call, and advances the epoch (finish_call, common.cuh). The epoch it reads is the
-// call's: nothing changes it before every CTA has counted. An emulated group (one flag block for
-// every rank: the probes' and the selection's scratch timing) releases for its emulated peers
-// too (the slot each foreign tile's store waits for).
+// the CTA counts itself out (Flags::exits, acq_rel: its writes and reads before the count); the
+// grid's last CTA then does what a release kernel and a finish kernel did after the kernel until
+// session 12 (two launches less per call): it releases this rank's staging slots to the peers
+// (every own tile's loads of them came before some CTA's count), fills the output with NaN if a
+// wait of this rank gave up or a peer process poisoned the call, and advances the epoch
+// (finish_call, common.cuh). The epoch it reads is the call's: nothing changes it before every
+// CTA has counted. No CTA waits for its TMA stores here: in the modes that wait (0, 7: the only
+// ones a NaN fill can follow) the output is written by the own tiles' generic stores, which the
+// count orders before the fill, and the foreign tiles' bulk stores to the peers completed before
+// their flags (TileEpilogue::flush). An emulated group (one flag block for every rank: the
+// probes' and the selection's scratch timing) releases for its emulated peers too (the slot
+// each foreign tile's store waits for).
 CUTLASS_DEVICE void end_call(const EpilogueArgs& a, uint32_t ctas) {
-  tma_wait_all();
-  fence_proxy_async();
   __syncthreads();
   const Peers& p = a.peers;
   Flags* local = p.flags[p.rank];
