@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kReducePushThreads, 1)
   const uint32_t e = call_target(p);
   if (threadIdx.x == 0) {
     // The call of epoch target e counts in claim[e & 1], which the finish of the previous call
-    // zeroed (finish_kernel below): every counted call ends with one, launched or not.
+    // zeroed (finish_epoch, common.cuh): every counted call ends with one, launched or not.
     ticket = (int)atomicAdd(&local->claim[e & 1u], 1u);
   }
   __syncthreads();
