@@ -84,8 +84,8 @@ struct ClaimedTilesVariant {};
 //     the start of its epilogue of tile k); warpgroup 1 never claims: half the atomics, and
 //     warpgroup 1's epilogue never waits for one.
 //   kClaimLate: each warpgroup claims after its epilogue (get_current_work, after the order
-//     barrier's arrive, where it would wait for the other warpgroup's MMA anyway), four tiles
-//     ahead (tile k + 4 after its epilogue of tile k; the producer claims tiles 0-3): the
+//     barrier's arrive, where it would wait for the other warpgroup's MMA anyway), kClaimAhead
+//     tiles ahead (4: tile k + 4 after its epilogue of tile k; the producer claims tiles 0-3): the
 //     atomic's round trip leaves the epilogue, and tile k + 2 is in the ring at its end_tile.
 //   kClaimLatePairs: kClaimLate by warpgroup 0 only, two tiles per atomic (k + 4, k + 5).
 //   kClaimLateSpread: kClaimLate with the own block's tiles spread through the claim order
@@ -95,6 +95,17 @@ struct ClaimedTilesVariant {};
 //     own tile waits only for tiles claimed earlier (by induction over the segments, no wait
 //     cycle; a CTA that never starts still holds nothing).
 constexpr int kClaimPairs = 4, kClaimLate = 5, kClaimLatePairs = 6, kClaimLateSpread = 7;
+// kClaimLate*'s look-ahead: after its epilogue of tile k a consumer warpgroup claims tile
+// k + kClaimAhead (the producer claims tiles 0 .. kClaimAhead - 1). Even (a warpgroup claims its
+// own tiles) and well inside the ring: the claimer writes entry k + kClaimAhead while the
+// slowest reader of the cluster may still be a tile behind k. (JAXOVERLAP_TILE_CLAIM_AHEAD: a
+// probe build option, issue 23 session 12: the claims' cost is the ring handoff, call 7.)
+#ifndef JAXOVERLAP_TILE_CLAIM_AHEAD
+#define JAXOVERLAP_TILE_CLAIM_AHEAD 4
+#endif
+constexpr uint32_t kClaimAhead = JAXOVERLAP_TILE_CLAIM_AHEAD;
+static_assert(kClaimAhead >= 4 && kClaimAhead % 2 == 0 && (int)kClaimAhead + 4 <= kRing,
+              "an even claim look-ahead of 4 to kRing - 4 tiles");
 constexpr int kSpreadSegments = 4;
 
 // The ping-pong kernel asks for its first tile before it waits at the cluster barrier, and it
@@ -187,12 +198,13 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     static_cast<Tile&>(w) = take(k_);
     if constexpr (kVariant == kClaimLate || kVariant == kClaimLatePairs ||
                   kVariant == kClaimLateSpread) {
-      // A consumer warpgroup after its epilogue (at k_ - 2): it claims tile k_ + 2 (with
-      // kClaimLatePairs warpgroup 0 only, k_ + 2 and k_ + 3) once k_ + 1 is in the ring (claims
-      // in counter order). Tile k_ was claimed four tiles back (the producer: tiles 0-3).
+      // A consumer warpgroup after its epilogue (at k_ - 2): it claims tile k_ - 2 + kClaimAhead
+      // (k_ + 2 by default; with kClaimLatePairs warpgroup 0 only, that tile and the next) once
+      // the tile before it is in the ring (claims in counter order). Tile k_ was claimed
+      // kClaimAhead tiles back (the producer: tiles 0 .. kClaimAhead - 1).
       if (threadIdx.x >= 128 && threadIdx.x % 128 == 0 && cute::block_rank_in_cluster() == 0 &&
           w.is_valid() && (kVariant != kClaimLatePairs || !(k_ & 1u))) {
-        const uint32_t k = k_ + 2;
+        const uint32_t k = k_ - 2 + kClaimAhead;
         wait_ring(k - 1, true);
         uint32_t* counter = &g_.local->claim[e_ & 1u];
         if constexpr (kVariant != kClaimLatePairs) {
@@ -356,12 +368,13 @@ class ClaimScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       return decode(g, t);
     }
     if constexpr (kPingpong && kVariant >= kClaimPairs) {
-      // kClaimPairs / kClaimLate*: the producer claims the first two (kClaimPairs) or four tiles
-      // with one atomic; the consumers claim the rest (claim_next, get_current_work).
+      // kClaimPairs / kClaimLate*: the producer claims the first two (kClaimPairs) or
+      // kClaimAhead tiles with one atomic; the consumers claim the rest (claim_next,
+      // get_current_work).
       if (producer && leader && k == 0) {
         if (lane == 0) {
           *(volatile uint32_t*)&g.local->claim[(e + 1u) & 1u] = 0;  // for the next call
-          constexpr uint32_t first = kVariant == kClaimPairs ? 2u : 4u;
+          constexpr uint32_t first = kVariant == kClaimPairs ? 2u : kClaimAhead;
           const int32_t i0 = (int32_t)atom_add(counter, first);
           for (uint32_t i = 0; i < first; ++i) publish(i, order_tile(g, i0 + (int32_t)i));
           t = order_tile(g, i0);
