@@ -23,6 +23,7 @@ struct Script {
   std::string refused;
   bool partition_fails = false;
   bool skip_join = false;  // a schedule that returns "" without join()
+  bool finished = false;   // join(/*finished=*/true): the kernel ended the call (the tile kernel)
 };
 Script g_script;
 // The op code the fake handler gives its FusedCall: join() hands it to the runtime (the report of
@@ -211,7 +212,7 @@ void handler(int device, const Table& t, unsigned uses, const char* fail = nullp
         log("launch kernel");
         if (fail) return fail;
         if (g_script.skip_join) return "";
-        return c.join();
+        return c.join(g_script.finished);
       });
     }
     log("handler returns");  // before the object goes: the releases follow
@@ -232,7 +233,9 @@ int main(int argc, char** argv) {
   } else if (s == "two_processes_one_device") {
     handler(0, two_processes, ce);
   } else if (s == "tile") {
-    // The tile schedule: no partition, no copy engine, a workspace of its own shape (exact).
+    // The tile schedule: no partition, no copy engine, a workspace of its own shape (exact);
+    // its kernel ends the call (no finish kernel in the join).
+    g_script.finished = true;
     handler(0, one_process, 0, nullptr, 5.0, -1, /*exact=*/true);
   } else if (s == "given_up") {
     g_script.misordered = true;
