@@ -82,6 +82,17 @@ class TileEpilogue {
 #define JAXOVERLAP_TILE_TENSOR_COOP 0
 #endif
   static constexpr bool kTensorPaths = kPingpong || JAXOVERLAP_TILE_TENSOR_COOP;
+  // How flush() releases the flags (JAXOVERLAP_TILE_FLAG_RELEASE; issue 24, session 13):
+  // 1 (production) one fence.acq_rel.sys, then st.relaxed.sys per flag: PTX's release pattern
+  // (a fence followed by a strong store), cumulative like st.release, one MEMBAR.ALL.SYS per
+  // flush in lane 0 of the MMA warp; 0 st.release.sys per flag (a MEMBAR.ALL.SYS each: 2-3 %
+  // slower fused ops on short K, measured); 2 st.release.gpu per flag -- a probe build's
+  // measurement of what the system scope costs (as much as 1), valid on one GPU only, never for
+  // peers on other GPUs.
+#ifndef JAXOVERLAP_TILE_FLAG_RELEASE
+#define JAXOVERLAP_TILE_FLAG_RELEASE 1
+#endif
+  static constexpr int kFlagRelease = JAXOVERLAP_TILE_FLAG_RELEASE;
   CUTLASS_DEVICE bool tensor() const {
     return kTensorPaths && (p_->epi & kTileEpiTensorStores) != 0;
   }
@@ -286,7 +297,8 @@ class TileEpilogue {
   // Publishes the flags of the warp's last foreign slabs: every lane waits for its bulk stores
   // to be performed (wait_group 0, not the .read form), orders them before generic accesses
   // (fence.proxy.async), and __syncwarp orders all lanes' stores before lane 0's release, which
-  // is cumulative: no full fence (two-gpu-risks R4).
+  // is cumulative: one fence.acq_rel.sys for all the warp's flags of the flush, each then a
+  // strong relaxed store (kFlagRelease; two-gpu-risks R4: no fence per flag).
   CUTLASS_DEVICE void flush() {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
     if (bulk()) {
@@ -296,8 +308,17 @@ class TileEpilogue {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
+      if constexpr (kFlagRelease == 1) asm volatile("fence.acq_rel.sys;" ::: "memory");
       for (int h = 0; h < kSlabsPerWarp; ++h)
-        for (int f = 0; pending_[h] && f < pending_n_; ++f) st_release_sys(pending_[h] + f, e_);
+        for (int f = 0; pending_[h] && f < pending_n_; ++f) {
+          if constexpr (kFlagRelease == 0)
+            st_release_sys(pending_[h] + f, e_);
+          else if constexpr (kFlagRelease == 1)
+            asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(pending_[h] + f), "r"(e_)
+                         : "memory");
+          else
+            st_release_gpu(pending_[h] + f, e_);
+        }
     }
     for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
   }

@@ -42,8 +42,14 @@ constexpr int kChunkBufs = JAXOVERLAP_TILE_CHUNK_BUFS;  // chunk buffers per war
 // An own tile's peer slabs arrive in units of 16 rows x 32 columns of one source (1 KiB; 64-byte
 // rows, their 16-byte pieces XOR-swizzled by row: ldmatrix/stmatrix and the cp.async writes
 // without bank conflicts), kUnitBufs buffers per warp, kUnitBufs - 1 units in flight.
+// (JAXOVERLAP_TILE_UNIT_BUFS: a probe build option, issue 24: more units in flight per warp; the
+// buffers come out of the mainloop's shared memory, 8 cost the ping-pong kernel a stage.)
+#ifndef JAXOVERLAP_TILE_UNIT_BUFS
+#define JAXOVERLAP_TILE_UNIT_BUFS 4
+#endif
 constexpr int kUnitBytes = 1024;
-constexpr int kUnitBufs = 4;
+constexpr int kUnitBufs = JAXOVERLAP_TILE_UNIT_BUFS;
+static_assert(kUnitBufs >= 2 && kUnitBufs <= 16, "2 to 16 unit buffers per warp");
 constexpr int kSlabBytes = kChunkBufs * kChunkBytes > kUnitBufs * kUnitBytes
                                ? kChunkBufs * kChunkBytes
                                : kUnitBufs * kUnitBytes;
