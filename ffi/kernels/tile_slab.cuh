@@ -43,7 +43,9 @@ constexpr int kChunkBufs = JAXOVERLAP_TILE_CHUNK_BUFS;  // chunk buffers per war
 // rows, their 16-byte pieces XOR-swizzled by row: ldmatrix/stmatrix and the cp.async writes
 // without bank conflicts), kUnitBufs buffers per warp, kUnitBufs - 1 units in flight.
 // (JAXOVERLAP_TILE_UNIT_BUFS: a probe build option, issue 24: more units in flight per warp; the
-// buffers come out of the mainloop's shared memory, 8 cost the ping-pong kernel a stage.)
+// buffers come out of the mainloop's shared memory. 8 cost the ping-pong kernel a stage: its
+// prod 0.991 on short K, but plain and long K 1.5-2 % slower, entry 0 slower everywhere; session
+// 13, docs/measurements.md.)
 #ifndef JAXOVERLAP_TILE_UNIT_BUFS
 #define JAXOVERLAP_TILE_UNIT_BUFS 4
 #endif
