@@ -35,6 +35,7 @@
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
 //          TILE_PROBE_PROF_EPI=V: every entry with TileRsArgs::epi = V (e.g. 4, the ping-pong
 //          entries' TMA tensor stores; a cooperative entry ignores bits it does not compile).
+//          TILE_PROBE_PROF_MODES=M,N,...: those modes (tile_rs.h) instead of 2 and 0.
 //
 // Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
 // tile_rs_probe time FILE [--pick] [--json OUT] | tile_rs_probe prof TP M K N
@@ -456,10 +457,26 @@ int main(int argc, char** argv) {
     const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
     const char* env_epi = std::getenv("TILE_PROBE_PROF_EPI");
     const int epi = env_epi ? std::atoi(env_epi) : 0;
+    // TILE_PROBE_PROF_MODES=5,4 (tile_rs.h's modes, in that order; default 2,0): e.g. what
+    // separates mode 4 from mode 5 (docs/tile-schedule.md, session 13's next levers)
+    std::vector<int> modes = {2, 0};
+    if (const char* env = std::getenv("TILE_PROBE_PROF_MODES")) {
+      modes.clear();
+      for (const char* c = env; *c;) {
+        char* end;
+        const long v = std::strtol(c, &end, 10);
+        if (end == c || v < 0 || v > 9) {
+          std::printf("TILE_PROBE_PROF_MODES: modes 0-9, comma-separated (got %s)\n", env);
+          return 2;
+        }
+        modes.push_back((int)v);
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
     auto run_all = [&] {
       if (std::string e = lt.run(gs, p.rk[0].x, p.rk[0].w, nullptr, p.rk[0].out, s); !e.empty())
         std::printf("cuBLASLt: %s\n", e.c_str());
-      for (int mode : {2, 0})
+      for (int mode : modes)
         for (int e = 0; e < E; ++e) {
           CK(launch_tile_rs(p.args(sh, sms, mode, e, kSwizzle, 0, epi), s));
         }
@@ -468,8 +485,9 @@ int main(int argc, char** argv) {
     run_all();  // the plan search, loads, warm-up
     run_all();
     CK(cudaProfilerStart());
-    std::printf("profiled (epi %d): cuBLASLt, then plain (mode 2) and prod (mode 0) of each entry:",
-                epi);
+    std::printf("profiled (epi %d): cuBLASLt, then each entry in mode", epi);
+    for (int mode : modes) std::printf(" %d", mode);
+    std::printf(" (in that order):");
     for (int e = 0; e < E; ++e) std::printf(" %s", tile_rs_entry_name(e));
     std::printf("\n");
     run_all();
