@@ -119,7 +119,8 @@ __device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p, bool sys) {
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void fence_acquire(bool sys) {
+// fence.acq_rel: an acquire after relaxed loads, or (followed by a strong store) a release.
+__device__ __forceinline__ void fence_acq_rel(bool sys) {
   if (sys)
     asm volatile("fence.acq_rel.sys;" ::: "memory");
   else
@@ -130,6 +131,9 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
 }
 __device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -269,7 +273,7 @@ __device__ __forceinline__ bool wait_flag_impl(const uint32_t* p, uint32_t targe
       }
     }
   }
-  fence_acquire(sys);
+  fence_acq_rel(sys);
   if ((int32_t)(v - target) > 0 && peers.abort) {
     // A value beyond this call's: the peer has moved on to a later call, which only happens if
     // this call was given up there (its abort word was raised before, so it is visible now).

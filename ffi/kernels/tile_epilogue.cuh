@@ -308,14 +308,13 @@ class TileEpilogue {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
-      if constexpr (kFlagRelease == 1) asm volatile("fence.acq_rel.sys;" ::: "memory");
+      if constexpr (kFlagRelease == 1) fence_acq_rel(/*sys=*/true);
       for (int h = 0; h < kSlabsPerWarp; ++h)
         for (int f = 0; pending_[h] && f < pending_n_; ++f) {
           if constexpr (kFlagRelease == 0)
             st_release_sys(pending_[h] + f, e_);
           else if constexpr (kFlagRelease == 1)
-            asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(pending_[h] + f), "r"(e_)
-                         : "memory");
+            st_relaxed_sys(pending_[h] + f, e_);
           else
             st_release_gpu(pending_[h] + f, e_);
         }
