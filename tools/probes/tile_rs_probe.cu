@@ -35,7 +35,7 @@
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
 //          TILE_PROBE_PROF_EPI=V: every entry with TileRsArgs::epi = V (e.g. 4, the ping-pong
 //          entries' TMA tensor stores; a cooperative entry ignores bits it does not compile).
-//          TILE_PROBE_PROF_MODES=M,N,...: those modes (tile_rs.h) instead of 2 and 0.
+//          TILE_PROBE_PROF_MODES=54: those modes (tile_rs.h's digits, in order) instead of 20.
 //
 // Build: tools/probes/build_tile_rs_probe.sh (CPU machine). Usage: tile_rs_probe check |
 // tile_rs_probe time FILE [--pick] [--json OUT] | tile_rs_probe prof TP M K N
@@ -457,20 +457,17 @@ int main(int argc, char** argv) {
     const GemmShape gs{sh.M, sh.N, sh.K, DType::kBF16, false, 0, false};
     const char* env_epi = std::getenv("TILE_PROBE_PROF_EPI");
     const int epi = env_epi ? std::atoi(env_epi) : 0;
-    // TILE_PROBE_PROF_MODES=5,4 (tile_rs.h's modes, in that order; default 2,0): e.g. what
-    // separates mode 4 from mode 5 (docs/tile-schedule.md, session 13's next levers)
+    // TILE_PROBE_PROF_MODES=54 (tile_rs.h's one-digit modes in that order, as TILE_PROBE_EPI
+    // lists them; other characters are skipped; default 20): e.g. what separates mode 4 from
+    // mode 5 (docs/tile-schedule.md, session 13's next levers)
     std::vector<int> modes = {2, 0};
     if (const char* env = std::getenv("TILE_PROBE_PROF_MODES")) {
       modes.clear();
-      for (const char* c = env; *c;) {
-        char* end;
-        const long v = std::strtol(c, &end, 10);
-        if (end == c || v < 0 || v > 9) {
-          std::printf("TILE_PROBE_PROF_MODES: modes 0-9, comma-separated (got %s)\n", env);
-          return 2;
-        }
-        modes.push_back((int)v);
-        c = *end == ',' ? end + 1 : end;
+      for (const char* c = env; *c; ++c)
+        if (*c >= '0' && *c <= '9') modes.push_back(*c - '0');
+      if (modes.empty()) {
+        std::printf("TILE_PROBE_PROF_MODES: no mode digit in %s\n", env);
+        return 2;
       }
     }
     auto run_all = [&] {
