@@ -93,6 +93,16 @@ class TileEpilogue {
 #define JAXOVERLAP_TILE_FLAG_RELEASE 1
 #endif
   static constexpr int kFlagRelease = JAXOVERLAP_TILE_FLAG_RELEASE;
+  // The fences of flush() (JAXOVERLAP_TILE_FLUSH_FENCE; issue 24, session 14): 1 every lane's
+  // fence.proxy.async.global after its bulk stores complete, lane 0's fence.release.sys; 0
+  // fence.proxy.async (all state spaces: a MEMBAR.ALL.GPU more per lane) and fence.acq_rel.sys
+  // (an L1 invalidation more). The flags and the stores they publish are global memory, and a
+  // release needs no acquire half. 2: no fence at all -- no valid protocol, a probe build's
+  // bound on what the fences cost (one GPU, where the emulated peers' waits pass anyway).
+#ifndef JAXOVERLAP_TILE_FLUSH_FENCE
+#define JAXOVERLAP_TILE_FLUSH_FENCE 0
+#endif
+  static constexpr int kFlushFence = JAXOVERLAP_TILE_FLUSH_FENCE;
   CUTLASS_DEVICE bool tensor() const {
     return kTensorPaths && (p_->epi & kTileEpiTensorStores) != 0;
   }
@@ -303,12 +313,20 @@ class TileEpilogue {
     if (!pending_[0] && !pending_[kSlabsPerWarp - 1]) return;
     if (bulk()) {
       tma_wait_all();
-      fence_proxy_async();
+      if constexpr (kFlushFence == 1)
+        fence_proxy_async_global();
+      else if constexpr (kFlushFence == 0)
+        fence_proxy_async();
     }
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
-      if constexpr (kFlagRelease == 1) fence_acq_rel(/*sys=*/true);
+      if constexpr (kFlagRelease == 1) {
+        if constexpr (kFlushFence == 1)
+          fence_release(/*sys=*/true);
+        else if constexpr (kFlushFence == 0)
+          fence_acq_rel(/*sys=*/true);
+      }
       for (int h = 0; h < kSlabsPerWarp; ++h)
         for (int f = 0; pending_[h] && f < pending_n_; ++f) {
           if constexpr (kFlagRelease == 0)

@@ -174,6 +174,18 @@ struct Half2<cutlass::half_t> {
   }
 };
 
+// How an own slab's rounded chunks leave (JAXOVERLAP_TILE_OWN_STORE; issue 24, session 14): 1
+// (production) each row's 64 bytes by 4 lanes, 8 rows per store instruction (16 whole sectors);
+// 0 row lane / 2's 16-byte pieces at columns 16 (lane % 2) + 8 i, 16 rows per instruction (32
+// half-written sectors: twice the L2 sectors and 4x the L1 requests, ncu): 1 is 0.990-0.994 of
+// 0 in the fused op on short K, 0.976 with no adds (tools mode 4). (Storing the whole slab by
+// store_lanes after its sums, 128-byte rows, measured no faster than 0.)
+#ifndef JAXOVERLAP_TILE_OWN_STORE
+#define JAXOVERLAP_TILE_OWN_STORE 1
+#endif
+constexpr int kOwnStore = JAXOVERLAP_TILE_OWN_STORE;
+static_assert(kOwnStore == 0 || kOwnStore == 1, "JAXOVERLAP_TILE_OWN_STORE: 0 or 1");
+
 // A warp's slab I/O (static: the slab's accumulators, its shared buffers, the lane in, no state).
 template <class Element, int kTileN>
 struct SlabIO {
@@ -183,7 +195,8 @@ struct SlabIO {
   // (cp.async, 16 bytes per lane: no registers held while they fly), kUnitBufs - 1 ahead of the
   // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
   // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
-  // so that each pair of lanes stores one row's 64 contiguous bytes.
+  // so that every 4 lanes store one row's 64 contiguous bytes
+  // (kOwnStore).
   //
   // kTma (TileRsArgs::epi kTileEpiTensorLoads): the units come by TMA (TmaUnitLoader: source s
   // from maps[s] at row y0), completing on the warp's mbarriers mbar[kUnitBufs], whose phases
@@ -269,14 +282,18 @@ struct SlabIO {
       __syncwarp();
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 2; ++i) {
-        const int64_t col = 32 * c + 16 * lhalf + 8 * i;
+        // kOwnStore 1: rows 8 i + lane / 4, each row's 64 bytes by 4 lanes (whole sectors);
+        // 0: row lane / 2, 16 bytes at columns 16 (lane % 2) + 8 i (half sectors)
+        const int row = kOwnStore == 1 ? 8 * i + (lane >> 2) : lrow;
+        const int piece = kOwnStore == 1 ? (lane & 3) : 2 * lhalf + i;
+        const int64_t col = 32 * c + 8 * piece;
         if (col < left) {
           uint4 v;
           asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                       : "r"(uaddr(obuf, lrow, 2 * lhalf + i))
+                       : "r"(uaddr(obuf, row, piece))
                        : "memory");
-          *reinterpret_cast<uint4*>(dst + (lrow * N + col) * 2) = v;
+          *reinterpret_cast<uint4*>(dst + (row * N + col) * 2) = v;
         }
       }
       __syncwarp();

@@ -30,6 +30,8 @@
 //
 //          TILE_PROBE_DECOMP=1: entry 0 also in modes 5, 3, 4, 6, 7 and 8 (tile_rs.h; where solo's
 //          cost over plain sits; 7, 8: prod, solo WITH the own tiles' L2 prefetch), as "mode<k>:" JSON keys.
+//          TILE_PROBE_DECOMP_ENTRY=k, TILE_PROBE_DECOMP_EPI=V: entry k (of this build's menu) with
+//          epilogue variant V instead of entry 0 with 0 (e.g. the ping-pong entry, epi 4).
 //
 //   prof TP M K N: one launch of cuBLASLt's plan and of each entry plain and prod between
 //          cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled rounds.
@@ -630,8 +632,15 @@ int main(int argc, char** argv) {
     static constexpr int kDecompModes[] = {5, 3, 4, 6, 7, 8};
     constexpr int kDecomp = sizeof(kDecompModes) / sizeof(kDecompModes[0]);
     const size_t decomp = std::getenv("TILE_PROBE_DECOMP") ? fns.size() : 0;
+    const char* env_de = std::getenv("TILE_PROBE_DECOMP_ENTRY");
+    const char* env_dv = std::getenv("TILE_PROBE_DECOMP_EPI");
+    const int de = env_de ? std::atoi(env_de) : 0, dv = env_dv ? std::atoi(env_dv) : 0;
+    if (de < 0 || de >= E) {
+      std::printf("TILE_PROBE_DECOMP_ENTRY=%d: this build's menu has %d entries\n", de, E);
+      return 2;
+    }
     if (decomp)
-      for (int mode : kDecompModes) fns.push_back(tile(mode, 0, kSwizzle));
+      for (int mode : kDecompModes) fns.push_back(tile(mode, de, kSwizzle, 0, dv));
     const auto t0 = std::chrono::steady_clock::now();
     // ~5 ms per round of a variant (the reference's time from one timed launch)
     cudaEvent_t a, b;
@@ -683,7 +692,7 @@ int main(int argc, char** argv) {
     }
     if (decomp)
       for (int i = 0; i < kDecomp; ++i)
-        std::printf("%s%d %.3f", i ? " " : " | e0 mode", kDecompModes[i], t[decomp + i].ms / ref);
+        std::printf("%s%d %.3f", i ? " " : " | decomp mode", kDecompModes[i], t[decomp + i].ms / ref);
     std::printf(" | %.1f s\n",
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (p.err->set)
@@ -737,8 +746,8 @@ int main(int argc, char** argv) {
                      tile_rs_entry_name(e), t[1 + po + e].ms);
       if (decomp)
         for (int i = 0; i < kDecomp; ++i)
-          std::fprintf(jf, ", \"mode%d:%s\": %.5f", kDecompModes[i], tile_rs_entry_name(0),
-                       t[decomp + i].ms);
+          std::fprintf(jf, ", \"mode%d:%s:epi%d\": %.5f", kDecompModes[i], tile_rs_entry_name(de),
+                       dv, t[decomp + i].ms);
       if (sh.picked && !plain_only)
         std::fprintf(jf, ", \"pick-epi\": %d, \"plain-epi0\": %.5f, \"prod-epi0\": %.5f",
                      sh.pick.epi, t[5 + 3 * E].ms, t[6 + 3 * E].ms);
