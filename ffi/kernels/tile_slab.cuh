@@ -179,7 +179,8 @@ struct Half2<cutlass::half_t> {
 // 0 row lane / 2's 16-byte pieces at columns 16 (lane % 2) + 8 i, 16 rows per instruction (32
 // half-written sectors: twice the L2 sectors and 4x the L1 requests, ncu): 1 is 0.990-0.994 of
 // 0 in the fused op on short K, 0.976 with no adds (tools mode 4). (Storing the whole slab by
-// store_lanes after its sums, 128-byte rows, measured no faster than 0.)
+// store_lanes after its sums, 128-byte rows, was no faster than 0 and made the plain GEMM 2 %
+// slower: docs/measurements.md, session 14.)
 #ifndef JAXOVERLAP_TILE_OWN_STORE
 #define JAXOVERLAP_TILE_OWN_STORE 1
 #endif
