@@ -196,8 +196,7 @@ struct SlabIO {
   // (cp.async, 16 bytes per lane: no registers held while they fly), kUnitBufs - 1 ahead of the
   // one being added; each unit is read back in the accumulators' own layout (ldmatrix) and added
   // to them. A chunk's rounded sum goes back through the buffer its last unit left (stmatrix),
-  // so that every 4 lanes store one row's 64 contiguous bytes
-  // (kOwnStore).
+  // so that every 4 lanes store one row's 64 contiguous bytes (kOwnStore).
   //
   // kTma (TileRsArgs::epi kTileEpiTensorLoads): the units come by TMA (TmaUnitLoader: source s
   // from maps[s] at row y0), completing on the warp's mbarriers mbar[kUnitBufs], whose phases
