@@ -74,6 +74,19 @@ def test_layer_budget_line(capsys):
     assert "LAYER BUDGET run21-70b: no timed sites" in out
 
 
+def test_the_menu_tables_rows_are_read_too(capsys):
+    """tile_rs_probe's table (cuBLASLt the only reference, no layer sites): paper columns for
+    each row, the judged rows' geomean, no layer budget."""
+    ms = dict(reference=1.0, plain=1.02, solo=1.05, prod=1.08)
+    rows = [dict(set="project", tp=2, M=8192, K_local=4096, N=8192, pick="pp128x128c2x1",
+                 swizzle=8, ms=ms)]  # fmt: skip
+    tile_paper.report(rows, {})
+    out = capsys.readouterr().out
+    assert "ref 1.000 (cublaslt) pp128x128c2x1 sw8 plain 1.020" in out
+    assert "TILE PAPER project: 1 judged rows" in out and "prod/ref 1.080" in out
+    assert "LAYER BUDGET" not in out
+
+
 def test_shape_files_and_deadline(tmp_path):
     f = tmp_path / "shapes.txt"
     f.write_text("project 2 8192 4096 8192\nrun21-8b 2 8192 6144 4096 1 bwd dx qkv\n\n")

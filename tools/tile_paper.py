@@ -19,6 +19,10 @@ solo and prod times) and prints, per row:
   (issue 24: >= 0.8 for the 8B layer, >= 0.4 for the other two); also with each site's time
   raised to what the link allows, max(prod, t_comm + prod / n).
 
+Also reads the one-GPU menu table's JSON (tools/probes/tile_rs_probe.cu time --pick: the
+reference there is the searched cuBLASLt plan alone, timed by CUDA events), whose rows carry no
+`reference_is` and no w layout: the paper columns for its shapes, no layer budget.
+
 Usage: python tools/tile_paper.py REF_JSON [--layers LAYER_JSON (default: run 21's)]
        python tools/tile_paper.py --sites   (the layer sites, one "set tp M K N wcol site" a line)
 """
@@ -109,7 +113,8 @@ def report(ref_rows, budget):
                 judged.setdefault(r["set"], []).append(ms["prod"] / ref)
         print(
             f"  {r['set']:<18} {r.get('site', ''):<15} tp {tp} {m}x{r['K_local']}x{n} "
-            f"{'col' if r.get('w_colmajor') else 'row'} ref {ref:.3f} ({r['reference_is']}) "
+            f"{'col' if r.get('w_colmajor') else 'row'} ref {ref:.3f} "
+            f"({r.get('reference_is', 'cublaslt')}) "
             f"{r['pick']} sw{r['swizzle']} plain {ms['plain'] / ref:.3f} "
             f"solo {ms['solo'] / ref:.3f} prod {ms['prod'] / ref:.3f} | "
             f"t_comm/t_gemm {tc:.2f} demand {dem:.2f} (interleaved {spread:.2f}){flag}"
