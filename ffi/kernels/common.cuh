@@ -141,19 +141,6 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
-// The same for the global state space only: FENCE.VIEW.ASYNC.G, where the unqualified form adds a
-// MEMBAR.ALL.GPU (sm_90a SASS, nvcc 13.0).
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-// fence.release (PTX 8.6, sm_90): the release half of fence_acq_rel, followed by a strong store;
-// MEMBAR.ALL.SYS without fence.acq_rel's L1 invalidation (CCTL.IVALL) at system scope.
-__device__ __forceinline__ void fence_release(bool sys) {
-  if (sys)
-    asm volatile("fence.release.sys;" ::: "memory");
-  else
-    asm volatile("fence.release.gpu;" ::: "memory");
-}
 
 // The error record has one writer per report: the first thread to claim it (set 0 -> 2, "being
 // written"; hundreds of warps may time out within microseconds), which fills the fields and then
