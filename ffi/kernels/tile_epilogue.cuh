@@ -41,6 +41,100 @@ struct EpilogueArgs {
   CUtensorMap loads[kMaxRanks - 1];
 };
 
+// The flags' publisher (JAXOVERLAP_TILE_PUBLISHER=1; issue 24, session 14; a probe build, written
+// and not run): a consumer warp's flush() hands its pending flags to an idle producer warp by a
+// CTA-scope release (a mail per consumer warp), and that warp issues the system fence and the
+// flag stores, off the MMA warps' path. It relies on the system fence's cumulativity over another
+// warp's stores to peer memory, which PTX's memory model states (causality order is transitive
+// across the CTA-scope and the system-scope synchronisation) but one GPU cannot test: the
+// two-GPU run must before it may become a default. (One H200, session 14: flush() with no fence
+// at all is 0.963-0.985 of the merged kernels in prod on short K: the bound of what this wins.)
+#ifndef JAXOVERLAP_TILE_PUBLISHER
+#define JAXOVERLAP_TILE_PUBLISHER 0
+#endif
+constexpr bool kPublisher = JAXOVERLAP_TILE_PUBLISHER != 0;
+constexpr int kPublisherWarp = 3;  // the producer warpgroup's warp 3: no role in either kernel
+struct FlagMail {
+  uint32_t* flags[2];  // a consumer warp's pending flags (its two slabs' in the ping-pong kernel)
+  int32_t n;           // flags per slab
+  uint32_t value;      // the call's epoch
+  uint32_t seq;        // mails posted (st.release.cta)
+  uint32_t taken;      // mails published (the publisher's st.release.cta)
+};
+struct FlagMailbox {
+  FlagMail mail[kTileSlabs];
+  uint32_t done;  // consumer warps past their last tile (red.release.cta)
+};
+__device__ __forceinline__ FlagMailbox* flag_mailbox() {
+  __shared__ FlagMailbox box;
+  return &box;
+}
+__device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"((uint32_t)__cvta_generic_to_shared(p))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_cta_shared(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(p)),
+               "r"(v)
+               : "memory");
+}
+
+// Every thread, before CUTLASS's kernel: the mailbox cleared (a CTA barrier follows).
+CUTLASS_DEVICE void flag_mailbox_clear() {
+  if constexpr (kPublisher) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(flag_mailbox());
+    for (int i = (int)threadIdx.x; i < (int)(sizeof(FlagMailbox) / 4); i += (int)blockDim.x)
+      w[i] = 0;
+    __syncthreads();
+  }
+}
+
+// After CUTLASS's kernel: the consumer warps count themselves done (their mails came before, in
+// lane 0's program order); the publisher warp publishes every mail until all 8 are done and
+// nothing is left. The publisher's one fence.acq_rel.sys covers every mail it acquired before it.
+CUTLASS_DEVICE void flag_mailbox_run() {
+  if constexpr (kPublisher) {
+    FlagMailbox* box = flag_mailbox();
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    if (warp >= 4 && lane == 0) {
+      asm volatile("red.release.cta.shared.add.u32 [%0], 1;" ::"r"(
+                       (uint32_t)__cvta_generic_to_shared(&box->done))
+                   : "memory");
+    } else if (warp == kPublisherWarp && lane == 0) {
+      // Two passes per sweep (few registers: this warp runs on the producer warpgroup's 40): the
+      // mails posted since they were last taken, acquired; one fence; then their flags. A mail
+      // seen in the first pass cannot change before the second (its warp waits for `taken`).
+      for (;;) {
+        const uint32_t done = ld_acquire_cta_shared(&box->done);
+        uint32_t mask = 0;
+        for (int w = 0; w < kTileSlabs; ++w)
+          if (ld_acquire_cta_shared(&box->mail[w].seq) !=
+              *(volatile uint32_t*)&box->mail[w].taken)
+            mask |= 1u << w;
+        if (!mask) {
+          if (done == kTileSlabs) break;
+          __nanosleep(64);
+          continue;
+        }
+        fence_acq_rel(/*sys=*/true);
+        for (int w = 0; w < kTileSlabs; ++w) {
+          if (!(mask >> w & 1u)) continue;
+          FlagMail& m = box->mail[w];
+          const uint32_t seq = *(volatile uint32_t*)&m.seq;
+          for (int h = 0; h < 2; ++h)
+            for (int f = 0; m.flags[h] && f < m.n; ++f) st_relaxed_sys(m.flags[h] + f, m.value);
+          st_release_cta_shared(&m.taken, seq);  // after the reads of the mail
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // A 16-row slab's accumulators: the ping-pong kernel's second slab of a warp is the same layout
 // at an offset.
 template <class Acc>
@@ -310,6 +404,11 @@ class TileEpilogue {
       if constexpr (kFlagRelease != 3) fence_proxy_async();
     }
     __syncwarp();
+    if (kPublisher && !p_->legacy_publish) {
+      if (threadIdx.x % 32 == 0) post_flags();
+      for (int h = 0; h < kSlabsPerWarp; ++h) pending_[h] = nullptr;
+      return;
+    }
     if (threadIdx.x % 32 == 0) {
       if (p_->legacy_publish) __threadfence_system();
       if constexpr (kFlagRelease == 1) fence_acq_rel(/*sys=*/true);
@@ -386,6 +485,20 @@ class TileEpilogue {
       Slab::store_lanes(acc, dst, smf, lane, col0, p_->N);
   }
 
+  // kPublisher: lane 0 hands the warp's pending flags to the publisher warp (flag_mailbox_run):
+  // once the previous mail is taken (the publisher always runs, so this ends), the mail's fields,
+  // then its sequence number by a CTA-scope release -- after the __syncwarp that orders every
+  // lane's stores (and bulk stores' completion) before it.
+  CUTLASS_DEVICE void post_flags() {
+    FlagMail& m = flag_mailbox()->mail[threadIdx.x / 32 - 4];
+    while (ld_acquire_cta_shared(&m.taken) != posted_) __nanosleep(32);
+    m.flags[0] = pending_[0];
+    m.flags[1] = kSlabsPerWarp > 1 ? pending_[kSlabsPerWarp - 1] : nullptr;
+    m.n = pending_n_;
+    m.value = e_;
+    st_release_cta_shared(&m.seq, ++posted_);
+  }
+
   // Every lane's bulk stores have read their shared buffers (before the warp writes them with
   // generic stores, and before the CTA exits).
   CUTLASS_DEVICE void drain_reads() const {
@@ -405,6 +518,7 @@ class TileEpilogue {
   uint32_t mphase_ = 0;        // TMA loads: bit b = the next parity of unit buffer b's mbarrier
   bool mbar_ready_ = false;    // TMA loads: the warp's mbarriers are initialised
   bool failed_ = false;        // a wait of this warp gave up: no more waits this call
+  uint32_t posted_ = 0;        // kPublisher: mails this warp posted
 };
 
 // CUTLASS's adapter of operator()-style epilogues, plus the last flag at the end of the loop.

@@ -112,8 +112,10 @@ template <class Kernel>
 __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
     tile_kernel(const __grid_constant__ typename Kernel::Params params) {
   extern __shared__ char smem[];
+  flag_mailbox_clear();  // kPublisher only
   Kernel op;
   op(params, smem);
+  flag_mailbox_run();  // kPublisher only
   end_call(params.epilogue.a, gridDim.x * gridDim.y * gridDim.z);
 }
 
@@ -137,7 +139,8 @@ struct TileKernel {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t))>,
+          static_cast<int>(sizeof(typename Op::SharedStorage) + kRing * sizeof(uint64_t) +
+                           (kPublisher ? sizeof(FlagMailbox) : 0))>,
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
