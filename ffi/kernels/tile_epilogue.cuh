@@ -61,10 +61,14 @@ struct FlagMail {
   uint32_t seq;        // mails posted (st.release.cta)
   uint32_t taken;      // mails published (the publisher's st.release.cta)
 };
-struct FlagMailbox {
+// A multiple of 128 bytes, so that the dynamic shared memory after the static variables (the
+// claim ring's 128 bytes and this) still starts 128-byte aligned, as CUTLASS's TMA buffers need
+// (the review of bbc7faf: 260 bytes would have put it at 400).
+struct alignas(128) FlagMailbox {
   FlagMail mail[kTileSlabs];
   uint32_t done;  // consumer warps past their last tile (red.release.cta)
 };
+static_assert(sizeof(FlagMailbox) % 128 == 0, "the dynamic shared memory stays 128-byte aligned");
 __device__ __forceinline__ FlagMailbox* flag_mailbox() {
   __shared__ FlagMailbox box;
   return &box;
@@ -488,7 +492,9 @@ class TileEpilogue {
   // kPublisher: lane 0 hands the warp's pending flags to the publisher warp (flag_mailbox_run):
   // once the previous mail is taken (the publisher always runs, so this ends), the mail's fields,
   // then its sequence number by a CTA-scope release -- after the __syncwarp that orders every
-  // lane's stores (and bulk stores' completion) before it.
+  // lane's stores (and bulk stores' completion) before it. (That link is bar.warp.sync's stated
+  // memory ordering among the warp's threads, as main's flush() relies on too; the next one, to
+  // another warp's system fence, is what the two-GPU run must test, with a negative control.)
   CUTLASS_DEVICE void post_flags() {
     FlagMail& m = flag_mailbox()->mail[threadIdx.x / 32 - 4];
     while (ld_acquire_cta_shared(&m.taken) != posted_) __nanosleep(32);
