@@ -495,9 +495,22 @@ class TileEpilogue {
   // lane's stores (and bulk stores' completion) before it. (That link is bar.warp.sync's stated
   // memory ordering among the warp's threads, as main's flush() relies on too; the next one, to
   // another warp's system fence, is what the two-GPU run must test, with a negative control.)
+  // The wait for the previous mail is bounded: past kPublisherWaitNs (the publisher lags by a
+  // flush at most, a few microseconds) this warp publishes its flags itself, as main's flush()
+  // does, and leaves the mailbox to the publisher's pace; no warp of the CTA hangs on another.
+  static constexpr uint64_t kPublisherWaitNs = 200 * 1000;
   CUTLASS_DEVICE void post_flags() {
     FlagMail& m = flag_mailbox()->mail[threadIdx.x / 32 - 4];
-    while (ld_acquire_cta_shared(&m.taken) != posted_) __nanosleep(32);
+    const uint64_t t0 = global_ns();
+    while (ld_acquire_cta_shared(&m.taken) != posted_) {
+      if (global_ns() - t0 > kPublisherWaitNs) {
+        fence_acq_rel(/*sys=*/true);
+        for (int h = 0; h < kSlabsPerWarp; ++h)
+          for (int f = 0; pending_[h] && f < pending_n_; ++f) st_relaxed_sys(pending_[h] + f, e_);
+        return;
+      }
+      __nanosleep(32);
+    }
     m.flags[0] = pending_[0];
     m.flags[1] = kSlabsPerWarp > 1 ? pending_[kSlabsPerWarp - 1] : nullptr;
     m.n = pending_n_;
