@@ -32,7 +32,8 @@
 //   named .../m<M> for M != 2): 9 = the plain GEMM whose epilogue stores nothing (its output is
 //   not checked), which separates the stores' cost from the scheduler's and the mainloop's.
 //   --prof: no timing; per shape one launch of cuBLASLt, ours at band 8 and stock at swizzle 1
-//   between cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
+//   (with --only: every variant it names, at the swizzle it names) between
+//   cudaProfilerStart/Stop (ncu --profile-from-start off), after two unprofiled ones.
 //   Build: STOCK=1 tools/probes/build_tile_rs_probe.sh (CPU machine).
 #include <cuda_bf16.h>
 #include <random>
@@ -322,8 +323,8 @@ int main(int argc, char** argv) {
     if (prof) {
       std::vector<size_t> pv;
       for (size_t v = 0; v < vs.size(); ++v)
-        if (ok[v] && (v == 0 || vs[v].name.find(vs[v].name[0] == 'o' ? "/sw8" : "/sw1") !=
-                                    std::string::npos))
+        if (ok[v] && (!only.empty() || v == 0 ||
+                      vs[v].name.find(vs[v].name[0] == 'o' ? "/sw8" : "/sw1") != std::string::npos))
           pv.push_back(v);
       for (int i = 0; i < 2; ++i)
         for (size_t v : pv) CK(vs[v].run());
