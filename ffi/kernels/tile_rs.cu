@@ -40,6 +40,8 @@ JAXOVERLAP_TILE_DECLARE(e8_wrow)
 JAXOVERLAP_TILE_DECLARE(e8_wcol)
 JAXOVERLAP_TILE_DECLARE(e9_wrow)
 JAXOVERLAP_TILE_DECLARE(e9_wcol)
+JAXOVERLAP_TILE_DECLARE(e10_wrow)
+JAXOVERLAP_TILE_DECLARE(e10_wcol)
 #undef JAXOVERLAP_TILE_DECLARE
 
 namespace {
@@ -123,6 +125,11 @@ const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(9)
     // the own block spread through the claim order (issue 24)
     JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1+spread", e9, kPpAltEpi),
+#endif
+#if JAXOVERLAP_TILE_IN(10)
+    // entry 4's kernel with a static order (no counter, no ring): what the claims cost (session
+    // 15); not safe when a peer's CTAs are not all resident -- timing only, never `check`ed
+    JAXOVERLAP_TILE_MENU_ENTRY("pp128x128c2x1=static", e10, kPpAltEpi),
 #endif
 };
 #undef JAXOVERLAP_TILE_MENU_ENTRY

@@ -179,7 +179,7 @@ struct TileKernel {
     e.slot_bytes = a.slot_bytes;
     e.flag_cols = flag_cols;
     e.legacy_publish = a.legacy_publish;
-    e.claims = kSched != 0 ? kSched : 1;
+    e.claims = kSched == 1 ? 0 : kSched != 0 ? kSched : 1;  // 1: a static order claims nothing
     e.epi = a.epi;
     e.mode = a.mode;
     e.stall_rank = a.stall_rank;
