@@ -296,6 +296,7 @@ class TileEpilogue {
     const int64_t block_bytes = a.m * a.N * 2;
     const int64_t parity = (e_ & 1u) * block_bytes;
     const int nflags = (int)min((int64_t)kFlagsPerSlab, a.flag_cols - col0 / kFlagCols);
+    if (kTStoreProbe == 5 && a.mode == 2) return;  // tools: mode 2 without its slabs' stores
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < kSlabsPerWarp; ++h) {
       const SlabAcc<std::remove_reference_t<decltype(acc)>> sacc{acc, h * (kTileN / 2)};
@@ -385,6 +386,7 @@ class TileEpilogue {
   // publishes and reuses the buffers after its waits. (legacy_publish adds only its full fence
   // here.)
   CUTLASS_DEVICE void end_tile() {
+    if (kTStoreProbe == 6 && p_->mode == 2) return;  // tools: mode 2 without the tile end's drain
     if constexpr (kPingpong) {
       const uint32_t k = last_k_ + 2;
       if (p_->claims ? Sched::next_tile(k) >= p_->own_first : !next_is_foreign(k)) {

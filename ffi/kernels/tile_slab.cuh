@@ -76,6 +76,17 @@ __device__ __forceinline__ uint32_t tensor_swz(uint32_t addr) {
 constexpr int kTStoreCols = JAXOVERLAP_TILE_TSTORE_COLS;
 static_assert(kTStoreCols == 32 || kTStoreCols == 64, "tensor-store boxes of 32 or 64 columns");
 constexpr int kTStoreBytes = 16 * kTStoreCols * 2;
+// Tools only (probe builds; the output is wrong): where the tensor stores' cost sits (session 15).
+// 1: everything but the cp.async.bulk.tensor itself (the chunk is rounded and written to shared
+// memory, fenced and synchronised, then dropped); 2: everything but the rounding and the stmatrix
+// (the store sends whatever the buffer holds); 3: everything but the per-chunk waits, fence and
+// __syncwarps (a race: timing only); 4: everything but the per-chunk fence.proxy.async; 5 (in
+// TileEpilogue): a plain GEMM's epilogue returns before its slabs' stores (what mode 9 skips after
+// the tile's indices); 6: a plain GEMM's tiles end without end_tile's flush and drain.
+#ifndef JAXOVERLAP_TILE_TSTORE_PROBE
+#define JAXOVERLAP_TILE_TSTORE_PROBE 0
+#endif
+constexpr int kTStoreProbe = JAXOVERLAP_TILE_TSTORE_PROBE;
 constexpr int kTStoreBufs = kSlabBytes / kTStoreBytes;
 static_assert(kTStoreBufs >= 2, "two tensor-store buffers per warp at least");
 // The tensor stores' swizzle as TMA applies it: the 16-byte piece (address bits 4-5, or 4-6)
@@ -368,10 +379,13 @@ struct SlabIO {
       if (x0 + kTStoreCols * c >= N) break;  // warp-uniform
       const uint32_t buf = sbase + (chunk % kTStoreBufs) * kTStoreBytes;
       ++chunk;
-      if (lane == 0) tma_wait_read<kTStoreBufs - 1>();  // the store that used this buffer read it
-      __syncwarp();
+      if constexpr (kTStoreProbe != 3) {
+        if (lane == 0) tma_wait_read<kTStoreBufs - 1>();  // the store that used this buffer read it
+        __syncwarp();
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int gp = 0; gp < kTStoreCols / 16; ++gp) {
+        if constexpr (kTStoreProbe == 2) break;
         uint32_t r[4];
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < 4; ++mi) {
@@ -383,9 +397,10 @@ struct SlabIO {
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
       }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA
-      __syncwarp();
-      if (lane == 0) {
+      if constexpr (kTStoreProbe != 3 && kTStoreProbe != 4)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA
+      if constexpr (kTStoreProbe != 3) __syncwarp();
+      if (lane == 0 && kTStoreProbe != 1) {
         asm volatile(
             "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                 map),
