@@ -199,13 +199,23 @@ class TileEpilogue {
 #endif
   static constexpr int kFlagRelease = JAXOVERLAP_TILE_FLAG_RELEASE;
   static_assert(kFlagRelease >= 0 && kFlagRelease <= 3, "JAXOVERLAP_TILE_FLAG_RELEASE: 0 to 3");
+  // Tools (session 15, written for the next lever): JAXOVERLAP_TILE_PP_TENSOR_ONLY=1 compiles the
+  // ping-pong kernels with the TMA tensor stores as their only store path (whatever the epi bits;
+  // no lanes' or bulk stores, no tensor loads): whether the k-loop's spills go with the paths.
+#ifndef JAXOVERLAP_TILE_PP_TENSOR_ONLY
+#define JAXOVERLAP_TILE_PP_TENSOR_ONLY 0
+#endif
+  static constexpr bool kTensorOnly = kPingpong && JAXOVERLAP_TILE_PP_TENSOR_ONLY != 0;
   CUTLASS_DEVICE bool tensor() const {
+    if constexpr (kTensorOnly) return true;
     return kTensorPaths && (p_->epi & kTileEpiTensorStores) != 0;
   }
   CUTLASS_DEVICE bool tensor_loads() const {
+    if constexpr (kTensorOnly) return false;
     return kTensorPaths && (p_->epi & kTileEpiTensorLoads) != 0;
   }
   CUTLASS_DEVICE bool bulk() const {
+    if constexpr (kTensorOnly) return true;
     return tensor() ||
            (kPingpong ? !(p_->epi & kTileEpiLaneStores) : (p_->epi & kTileEpiBulkStores) != 0);
   }
