@@ -67,9 +67,10 @@ class TileEpilogue {
   static constexpr int kSlabsPerWarp = kPingpong ? 2 : 1;
   static constexpr int kThreads = kPingpong ? 128 : 256;  // the epilogue's threads per tile
   using Slab = SlabIO<Element, kTileN>;
-  // Foreign and plain slabs leave by bulk async stores in the ping-pong kernel, by stores of the
-  // warp's lanes in the cooperative one, by default; the launch's epi bits choose the other
-  // (both are in every kernel: a runtime choice, timed per problem by tile_rs_choose). The
+  // Foreign and plain slabs leave by TMA tensor stores in the ping-pong kernel (its only path in
+  // the default build, kTensorOnly below; tools builds: bulk async stores by default, the epi
+  // bits choosing the others), by stores of the warp's lanes in the cooperative one by default
+  // (its epi bits choose bulk stores: a runtime choice, tools only). The
   // cooperative kernel's epilogue issues a whole tile's bulk stores at once, 1,024 small copies
   // per CTA that queue in the TMA unit ahead of the next tile's mainloop loads (measured: 128x256
   // plain GEMMs 10 % slower, docs/measurements.md); the ping-pong kernel's spread under the other
@@ -99,13 +100,14 @@ class TileEpilogue {
 #endif
   static constexpr int kFlagRelease = JAXOVERLAP_TILE_FLAG_RELEASE;
   static_assert(kFlagRelease >= 0 && kFlagRelease <= 3, "JAXOVERLAP_TILE_FLAG_RELEASE: 0 to 3");
-  // Tools (session 15, written for the next lever): JAXOVERLAP_TILE_PP_TENSOR_ONLY=1 compiles the
-  // ping-pong kernels with the TMA tensor stores as their only store path (whatever the epi bits;
-  // no lanes' or bulk stores, no tensor loads): whether the k-loop's spills go with the paths.
-#ifndef JAXOVERLAP_TILE_PP_TENSOR_ONLY
-#define JAXOVERLAP_TILE_PP_TENSOR_ONLY 0
-#endif
+
+ public:
+  // The ping-pong kernels' one store path (JAXOVERLAP_TILE_PP_TENSOR_ONLY, tile_rs.h): the TMA
+  // tensor stores whatever the epi bits; no lanes' or bulk stores, no tensor loads. (Public:
+  // TileKernel::encode_maps encodes the stores' maps for it.)
   static constexpr bool kTensorOnly = kPingpong && JAXOVERLAP_TILE_PP_TENSOR_ONLY != 0;
+
+ private:
   CUTLASS_DEVICE bool tensor() const {
     if constexpr (kTensorOnly) return true;
     return kTensorPaths && (p_->epi & kTileEpiTensorStores) != 0;

@@ -67,15 +67,19 @@ struct Entry {
 #define JAXOVERLAP_TILE_MENU_MASK 0x1f
 #endif
 #define JAXOVERLAP_TILE_IN(K) ((JAXOVERLAP_TILE_MENU_MASK >> (K)) & 1)
-// The ping-pong entries' alternatives the selection times, each alone against the default
-// (bulk) stores: the lanes' stores and the TMA tensor stores (kTileEpiTensorStores; bitwise equal,
-// and faster where picked: session 9, one H200, the pick over its entry at the bulk stores
-// 0.95-1.00, docs/measurements.md). Their tensor maps address the peers' staging, which two
-// processes map through CUDA IPC: tests/gpu/test_xproc_gpu.py's every-entry test ran them so in
-// session 10 (passed) before they joined the selection; across two GPUs (NVLink) they have not
-// run yet. JAXOVERLAP_TILE_ENTRY=<entry>:<epi> forces any variant (runtime/tile_menu.cc). The TMA
-// tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 % slower.
-constexpr int32_t kPpAltEpi = kTileEpiLaneStores | kTileEpiTensorStores;
+// The ping-pong entries' alternatives the selection times, each alone against epi 0. Default
+// build: none -- their kernels have one store path, the TMA tensor stores
+// (JAXOVERLAP_TILE_PP_TENSOR_ONLY, tile_rs.h; session 16: the runtime choice's k-loop spill cost
+// the production kernel 2.8 % on short K). Tools builds with the choice (=0): the lanes' stores
+// and the tensor stores against the bulk ones (session 9, one H200: the pick over its entry at
+// the bulk stores 0.95-1.00, docs/measurements.md). The tensor stores' maps address the peers'
+// staging, which two processes map through CUDA IPC: tests/gpu/test_xproc_gpu.py's every-entry
+// test ran them so in session 10 (passed) before they joined the selection; across two GPUs
+// (NVLink) they have not run yet. JAXOVERLAP_TILE_ENTRY=<entry>:<epi> forces any variant
+// (runtime/tile_menu.cc). The TMA tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 %
+// slower.
+constexpr int32_t kPpAltEpi =
+    JAXOVERLAP_TILE_PP_TENSOR_ONLY ? 0 : kTileEpiLaneStores | kTileEpiTensorStores;
 const Entry kMenu[] = {
 #if JAXOVERLAP_TILE_IN(0)
     // Flux's GEMM + reduce-scatter tile: w's 64 x 256 tile multicast to both CTAs of a cluster.

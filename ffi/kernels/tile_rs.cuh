@@ -222,7 +222,7 @@ struct TileKernel {
         if (cudaError_t err = encode_store_map(&e.loads[i], a.peers.stage[r] + i * a.slot_bytes,
                                                2 * a.m, a.N))
           return err;
-    if (!(a.epi & kTileEpiTensorStores)) return cudaSuccess;
+    if (!(a.epi & kTileEpiTensorStores) && !Op::kTensorOnly) return cudaSuccess;
     const bool to_out = plain || a.mode == 4 || a.mode == 6;
     if (to_out)
       if (cudaError_t err = encode_store_map(&e.maps[r], a.out, n * a.m, a.N, kTStoreCols))

@@ -60,8 +60,9 @@ struct TileRsArgs {
   ErrorRecord* err;
 };
 
-// TileRsArgs::epi bits: runtime choices of the epilogue, every one in every entry's kernel (no
-// instantiation more); none changes a value or the protocol (ranks may run different ones).
+// TileRsArgs::epi bits: runtime choices of the epilogue (no instantiation more; the default
+// build's ping-pong kernels have one store path and ignore them: JAXOVERLAP_TILE_PP_TENSOR_ONLY
+// below); none changes a value or the protocol (ranks may run different ones).
 // LaneStores: a ping-pong entry's foreign (and plain) slabs leave by the lanes' stores, as the
 // cooperative kernel's do, instead of bulk async stores (faster prod on short K, slower plain on
 // long K: the selection times both). BulkStores: a cooperative entry's by bulk async stores
@@ -76,6 +77,17 @@ struct TileRsArgs {
 // cooperative kernel ignores both unless built with JAXOVERLAP_TILE_TENSOR_COOP=1). Checked and
 // timed on one GPU (session 9); in the selection since their first run across two processes
 // (session 10; tile_rs.cu's kPpAltEpi).
+//
+// JAXOVERLAP_TILE_PP_TENSOR_ONLY (session 16): 1 (the default build) compiles the ping-pong kernels
+// with the TMA tensor stores as their only store path -- the epi bits then change nothing in them,
+// and their selection times no variant (tile_rs.cu's kPpAltEpi) -- because the runtime choice of
+// paths costs the MMA loop: with the lanes' and bulk paths compiled in, entry 4's k-loop spills
+// (stack 16 bytes) and its production kernel is 2.8 % slower on short K with the same tensor
+// stores (one H200, same-entries A/B, docs/measurements.md "Session 16"). 0: tools builds with the
+// runtime alternatives (bulk by default, LaneStores, TensorStores, TensorLoads) for A/B.
+#ifndef JAXOVERLAP_TILE_PP_TENSOR_ONLY
+#define JAXOVERLAP_TILE_PP_TENSOR_ONLY 1
+#endif
 constexpr int32_t kTileEpiLaneStores = 1;
 constexpr int32_t kTileEpiBulkStores = 2;
 constexpr int32_t kTileEpiTensorStores = 4;

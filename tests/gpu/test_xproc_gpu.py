@@ -125,9 +125,9 @@ TILE_CASES = "matmul_reduce_scatter_tile,matmul_reduce_scatter_tile_3d"
 
 
 def test_every_tile_entry_across_processes(gpus_any):
-    """Issue 23: every entry of the tile menu, with every store path its selection can pick and
-    the ping-pong entries' TMA tensor stores (in the selection since this test first ran them
-    across processes, session 10: kernels/tile_rs.cu, kPpAltEpi), forced in both processes
+    """Issue 23: every entry of the tile menu, with every store path its selection can pick
+    (kernels/tile_rs.cu, kPpAltEpi; the ping-pong entries' only path in the default build is
+    the TMA tensor stores, session 16), forced in both processes
     (JAXOVERLAP_TILE_ENTRY=<entry>:<epi>): the tile cases' values, their HLO and their bits
     repeated. Across processes the peers' staging is CUDA IPC memory, which the tensor stores'
     maps address; the one-process probe (tile_rs_probe check) never has it. A name of no entry
@@ -139,8 +139,6 @@ def test_every_tile_entry_across_processes(gpus_any):
     variants = []
     for name, alt in menu:
         variants += [(name, 0), *((name, b) for b in (1, 2, 4, 8) if alt & b)]
-        if name.startswith("pp"):
-            variants.append((name, 4))  # kTileEpiTensorStores
     bad = []
     for name, epi in dict.fromkeys(variants):
         env = {"JAXOVERLAP_TILE_ENTRY": f"{name}:{epi}", "XPROC_ONLY": TILE_CASES}
