@@ -82,11 +82,14 @@ constexpr int kTStoreBytes = 16 * kTStoreCols * 2;
 // (the store sends whatever the buffer holds); 3: everything but the per-chunk waits, fence and
 // __syncwarps (a race: timing only); 4: everything but the per-chunk fence.proxy.async; 5 (in
 // TileEpilogue): a plain GEMM's epilogue returns before its slabs' stores (what mode 9 skips after
-// the tile's indices); 6: a plain GEMM's tiles end without end_tile's flush and drain.
+// the tile's indices); 6: a plain GEMM's tiles end without end_tile's flush and drain; 7 (session
+// 16): 1 and 3 together -- only the rounding and the stmatrix writes remain.
 #ifndef JAXOVERLAP_TILE_TSTORE_PROBE
 #define JAXOVERLAP_TILE_TSTORE_PROBE 0
 #endif
 constexpr int kTStoreProbe = JAXOVERLAP_TILE_TSTORE_PROBE;
+constexpr bool kProbeNoTma = kTStoreProbe == 1 || kTStoreProbe == 7;
+constexpr bool kProbeNoSync = kTStoreProbe == 3 || kTStoreProbe == 7;
 constexpr int kTStoreBufs = kSlabBytes / kTStoreBytes;
 static_assert(kTStoreBufs >= 2, "two tensor-store buffers per warp at least");
 // The tensor stores' swizzle as TMA applies it: the 16-byte piece (address bits 4-5, or 4-6)
@@ -379,7 +382,7 @@ struct SlabIO {
       if (x0 + kTStoreCols * c >= N) break;  // warp-uniform
       const uint32_t buf = sbase + (chunk % kTStoreBufs) * kTStoreBytes;
       ++chunk;
-      if constexpr (kTStoreProbe != 3) {
+      if constexpr (!kProbeNoSync) {
         if (lane == 0) tma_wait_read<kTStoreBufs - 1>();  // the store that used this buffer read it
         __syncwarp();
       }
@@ -397,10 +400,10 @@ struct SlabIO {
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
       }
-      if constexpr (kTStoreProbe != 3 && kTStoreProbe != 4)
+      if constexpr (!kProbeNoSync && kTStoreProbe != 4)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem -> TMA
-      if constexpr (kTStoreProbe != 3) __syncwarp();
-      if (lane == 0 && kTStoreProbe != 1) {
+      if constexpr (!kProbeNoSync) __syncwarp();
+      if (lane == 0 && !kProbeNoTma) {
         asm volatile(
             "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                 map),
