@@ -1,7 +1,7 @@
 // The tile-fused GEMM + reduce-scatter's epilogue (protocol in tile_rs.h; the kernel that runs it
 // in tile_rs.cuh): TileEpilogue, per 16-row slab (one consumer warp): foreign tiles -> the owner's
-// staging (peer memory) through shared memory, by bulk async stores (ping-pong) or the lanes'
-// coalesced stores (cooperative), neither waited for; the slab's flags published after the
+// staging (peer memory) through shared memory, by TMA tensor stores (ping-pong; tools builds:
+// bulk async stores) or the lanes' coalesced stores (cooperative), neither waited for; the slab's flags published after the
 // stores have landed; own tiles check each peer's flags of the slab, load the peers' slabs
 // asynchronously (tile_slab.cuh), add them in rank order to the f32 accumulators, round once,
 // store. TileCollective plugs it into CUTLASS's warp-specialised kernels. Device code only.
@@ -33,8 +33,8 @@ struct EpilogueArgs {
   int32_t mode, stall_rank, op;
   uint64_t timeout_ns;
   ErrorRecord* err;
-  // epi kTileEpiTensorStores: the TMA tensor maps of the stores (TileKernel::encode_maps, at the
-  // launch): maps[j], j != rank, the staging slot this rank fills on rank j (16-bit [2m, N]: the
+  // epi kTileEpiTensorStores, or a ping-pong kernel of the default build (kTensorOnly): the TMA
+  // tensor maps of the stores (TileKernel::encode_maps, at the launch): maps[j], j != rank, the staging slot this rank fills on rank j (16-bit [2m, N]: the
   // two parities' blocks); maps[rank] out as a plain GEMM writes it ([n m, N]; modes 2, 4, 5, 6
   // only). Kernel parameters (grid constants): TMA reads them in place.
   CUtensorMap maps[kMaxRanks];

@@ -76,7 +76,7 @@ struct Entry {
 // staging, which two processes map through CUDA IPC: tests/gpu/test_xproc_gpu.py's every-entry
 // test ran them so in session 10 (passed) before they joined the selection; across two GPUs
 // (NVLink) they have not run yet. JAXOVERLAP_TILE_ENTRY=<entry>:<epi> forces any variant
-// (runtime/tile_menu.cc). The TMA tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 %
+// (runtime/tile_menu.cc; a default build's ping-pong kernel ignores the store bits). The TMA tensor loads (kTileEpiTensorLoads) stay tools-only: 1-3 %
 // slower.
 constexpr int32_t kPpAltEpi =
     JAXOVERLAP_TILE_PP_TENSOR_ONLY ? 0 : kTileEpiLaneStores | kTileEpiTensorStores;

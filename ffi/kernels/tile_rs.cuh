@@ -5,7 +5,7 @@
 //   ClaimScheduler  (tile_sched.cuh) hands out tiles from a counter in the order the protocol
 //                   needs (foreign blocks first), to whichever cluster asks next.
 //   TileEpilogue    (tile_epilogue.cuh) per 16-row slab (one consumer warp): foreign tiles -> the owner's staging
-//                   (peer memory) through shared memory, by bulk async stores (ping-pong) or
+//                   (peer memory) through shared memory, by TMA tensor stores (ping-pong) or
 //                   the lanes' coalesced stores (cooperative), neither waited for; the slab's
 //                   flags (one per 128 columns: the same layout for every entry) published at
 //                   the warp's next tile after the stores have landed (at once if that tile is
@@ -211,7 +211,8 @@ struct TileKernel {
     return args;
   }
 
-  // epi kTileEpiTensorStores: the stores' tensor maps (EpilogueArgs::maps), else nothing. The
+  // epi kTileEpiTensorStores or Op::kTensorOnly (a ping-pong kernel of the default build): the
+  // stores' tensor maps (EpilogueArgs::maps), else nothing. The
   // staging slot this rank fills on rank j holds the block of both epoch parities one after the
   // other: one map of 2m rows, the parity chosen by the row (TileEpilogue).
   static cudaError_t encode_maps(const TileRsArgs& a, EpilogueArgs& e) {

@@ -65,7 +65,7 @@ struct TileRsArgs {
 // below); none changes a value or the protocol (ranks may run different ones).
 // LaneStores: a ping-pong entry's foreign (and plain) slabs leave by the lanes' stores, as the
 // cooperative kernel's do, instead of bulk async stores (faster prod on short K, slower plain on
-// long K: the selection times both). BulkStores: a cooperative entry's by bulk async stores
+// long K: tools builds with the ping-pong kernels' runtime paths time both). BulkStores: a cooperative entry's by bulk async stores
 // (measured slower everywhere: tools only). (Two more bits, an own slab's L2 prefetch at its
 // epilogue's start and flags every second foreign tile, were measured and dropped on 2026-12-02:
 // docs/measurements.md, "The tile epilogue's store path as a runtime choice".)
@@ -75,8 +75,8 @@ struct TileRsArgs {
 // staging slot, both parities as rows 0..2m, or out) encoded at the launch -- instead of 16 row
 // copies per chunk; overrides the other two bits. Ping-pong kernels only (with TensorLoads; a
 // cooperative kernel ignores both unless built with JAXOVERLAP_TILE_TENSOR_COOP=1). Checked and
-// timed on one GPU (session 9); in the selection since their first run across two processes
-// (session 10; tile_rs.cu's kPpAltEpi).
+// timed on one GPU (session 9); in the selection from their first run across two processes
+// (session 10) to session 16, since then the ping-pong kernels' only path (below).
 //
 // JAXOVERLAP_TILE_PP_TENSOR_ONLY (session 16): 1 (the default build) compiles the ping-pong kernels
 // with the TMA tensor stores as their only store path -- the epi bits then change nothing in them,

@@ -28,7 +28,8 @@ std::mutex g_mu;                                              // g_choices
 std::map<std::pair<int, std::string>, TileChoice> g_choices;  // (device, problem) -> choice
 
 constexpr int kTileReps = 3;  // launches per timing (1 for a kernel over 1 ms); two timings per
-                              // candidate, the best kept
+                              // candidate in the first pass and the bands, the best kept (the
+                              // runoff: one per round)
 // The selection runs at the problem's first call, under the device's lock, while a peer that
 // launched already spins: after the first pass over the menu, the raster bands are tried only
 // while the selection has taken less than this.
@@ -260,9 +261,10 @@ std::string time_candidates(const TileRsArgs& call, cudaStream_t stream, TileCho
     // entries' runtime store paths, their lanes' and tensor stores, which win on short K where
     // their bulk stores lose to every cooperative entry: each variant is timed whatever the
     // entry's rank), then the bands of the two fastest with their faster variant (within the
-    // budget); a candidate must beat the one kept by 1 % (noise), so the default (entry 0, or
-    // the first that runs) stays unless another is clearly faster. Then the runoff between the
-    // kept one and those within 3 % of it (above).
+    // budget); a candidate must beat the one kept by 1 % (noise). Then the runoff between the
+    // kept one and those within 3 % of it (above), whose lowest median wins with no margin: its
+    // interleaved rounds do what the margin did for sequential timings. Its three rounds run
+    // whatever the time taken so far (up to 4 candidates x 3 x (1 + kTileReps) launches).
     const float inf = std::numeric_limits<float>::infinity();
     std::vector<Candidate> timed;  // every configuration timed, for the runoff
     std::vector<float> ms(tile_rs_menu_size());

@@ -15,7 +15,9 @@ namespace jaxoverlap {
 struct TileChoice {
   int entry = 0, swizzle = 8;
   int epi = 0;                   // TileRsArgs::epi: the entry's epilogue variant (store path)
-  float ms = 0, ms_default = 0;  // the pick's time and entry 0's at the given swizzle
+  // the pick's time (the runoff's median if one ran, else the best of two timings) and entry
+  // 0's at the given swizzle (the best of two timings of the first pass)
+  float ms = 0, ms_default = 0;
   int timed = 0;                 // candidates timed (0: cached or adopted)
   std::string note;              // why nothing was timed or published ("" if it was)
 };

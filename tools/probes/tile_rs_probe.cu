@@ -419,7 +419,8 @@ int main(int argc, char** argv) {
         // the same bits as the default. Mixed
         // entries: the odd ranks run them; one entry: every rank.
         // (kTileEpiTensorStores overrides the other store bits: passes of their own; the TMA loads
-        // with the lanes' stores.)
+        // with the lanes' stores. A default build's ping-pong kernels ignore every bit -- one
+        // store path, JAXOVERLAP_TILE_PP_TENSOR_ONLY -- so for them these passes repeat epi 0.)
         for (int var : {kEpiAll, (int)kTileEpiTensorStores,
                         (int)(kTileEpiTensorLoads | kTileEpiLaneStores)}) {
           int epis[kMaxRanks];

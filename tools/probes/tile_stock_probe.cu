@@ -26,7 +26,9 @@
 //   --only A,B,...: only the variants whose name contains one of the substrings (and ref);
 //   --dup: the first "ours" variant twice (named ...#2): the same launch, two positions.
 //   --epi V,W,...: "ours" with each TileRsArgs::epi value (default 0; named ours:E/swS/epiV for
-//   V != 0; e.g. 4 = kTileEpiTensorStores, 1 = the ping-pong entries' lanes' stores).
+//   V != 0; e.g. 4 = kTileEpiTensorStores, 1 = the ping-pong entries' lanes' stores -- in tools
+//   builds with -DJAXOVERLAP_TILE_PP_TENSOR_ONLY=0 only: the default build's ping-pong kernels
+//   have one store path and ignore the bits).
 //   (--epi applies to the hybrids and the variants as well.)
 //   --mode M,N,...: "ours", the hybrids and the variants in each TileRsArgs::mode (default 2;
 //   named .../m<M> for M != 2): 9 = the plain GEMM whose epilogue stores nothing (its output is
